@@ -1,0 +1,707 @@
+//! Write Weir message handlers in Rust.
+//!
+//! A handler is a type that implements [`Handler`], exported from a `cdylib` crate with
+//! [`export!`] and built for `wasm32-wasip2`. This crate owns the guest side of the
+//! `weir:handler` WIT contract; everything about brokers, slots, lanes, retries and dead letters
+//! belongs to the host and is invisible here.
+//!
+//! What a handler returns decides what happens to the message:
+//!
+//! | the handler returns | the host                                          |
+//! |---------------------|---------------------------------------------------|
+//! | `Ok(())`            | publishes the cascaded messages, then acks        |
+//! | [`Failure::retry`]  | puts the message back on the retry ladder         |
+//! | [`Failure::reject`] | dead-letters it now (poison message)              |
+//! | a trap (panic, OOM) | treats it as a retry and discards the instance    |
+//!
+//! `?` on an ordinary error (anything implementing [`std::error::Error`]) means **retry**:
+//! an error you did not anticipate is assumed to be transient. Rejecting is always explicit,
+//! except for [`Message::json`] and [`Message::text`], which reject because a payload that does
+//! not decode today will not decode tomorrow.
+//!
+//! # Example
+//!
+//! ```rust
+//! use serde::{Deserialize, Serialize};
+//! use weir_guest::{Failure, Handler, Message};
+//!
+//! #[derive(Deserialize)]
+//! struct Greeting {
+//!     name: String,
+//! }
+//!
+//! #[derive(Serialize)]
+//! struct Greeted<'a> {
+//!     name: &'a str,
+//!     attempt: u32,
+//! }
+//!
+//! struct Greeter;
+//!
+//! impl Handler for Greeter {
+//!     fn handle(msg: Message) -> Result<(), Failure> {
+//!         if msg.message_type() != "greeting" {
+//!             return Err(Failure::reject(format!("unknown message type {:?}", msg.message_type())));
+//!         }
+//!         // A payload that is not a `Greeting` is rejected (dead-lettered) with serde's reason.
+//!         let greeting: Greeting = msg.json()?;
+//!         if greeting.name.is_empty() {
+//!             return Err(Failure::reject("a greeting needs a name"));
+//!         }
+//!         let salutation = weir_guest::config("salutation").unwrap_or_else(|| "Hello".into());
+//!         weir_guest::info!("{salutation}, {}!", greeting.name);
+//!         // Held by the host until this call succeeds; a host error becomes a retry.
+//!         weir_guest::publish_json(
+//!             "greeted",
+//!             msg.group_id(),
+//!             &Greeted { name: &greeting.name, attempt: msg.attempt() },
+//!         )?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! weir_guest::export!(Greeter);
+//! # fn main() {}
+//! ```
+//!
+//! Build it with `cargo build --release --target wasm32-wasip2`; the `cdylib` artifact is
+//! already a component.
+//!
+//! # Testing natively
+//!
+//! On targets other than `wasm32` the host imports ([`publish`], [`log()`], [`config`]) are
+//! served by a per-thread in-memory host, driven through the [`testing`] module, so a handler's
+//! logic can be unit-tested with plain `cargo test`.
+
+#![warn(missing_docs)]
+
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
+
+use std::fmt;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use __private::bindings::weir::handler::types as wit;
+
+/// A message handler.
+///
+/// Both functions are associated functions without `self`: the host may run every call on a
+/// fresh instance, so a handler must not rely on anything surviving between calls.
+pub trait Handler {
+    /// Handles one message.
+    fn handle(msg: Message) -> Result<(), Failure>;
+
+    /// Handles a batch (all of one tenant and group, in arrival order) and returns exactly one
+    /// result per message, in the same order.
+    ///
+    /// The default calls [`Handler::handle`] for each message. Override it to do bulk work
+    /// (one lookup, one config read, one validation pass for the whole batch). If an override
+    /// returns the wrong number of results, every message of the batch is retried with an
+    /// error naming both counts.
+    fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
+        batch.into_iter().map(Self::handle).collect()
+    }
+}
+
+/// One incoming message, as delivered by the host.
+#[derive(Clone)]
+pub struct Message {
+    inner: wit::Message,
+}
+
+impl Message {
+    /// Builds a message by hand: for tests. It has no group, no tenant, no headers and is on its
+    /// first attempt; the `with_*` methods set the rest.
+    pub fn new(
+        id: impl Into<String>,
+        message_type: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        Message {
+            inner: wit::Message {
+                id: id.into(),
+                message_type: message_type.into(),
+                group_id: None,
+                tenant_id: None,
+                headers: Vec::new(),
+                payload: payload.into(),
+                attempt: 1,
+            },
+        }
+    }
+
+    /// Sets the group id (tests).
+    pub fn with_group_id(mut self, group_id: impl Into<String>) -> Self {
+        self.inner.group_id = Some(group_id.into());
+        self
+    }
+
+    /// Sets the tenant id (tests).
+    pub fn with_tenant_id(mut self, tenant_id: impl Into<String>) -> Self {
+        self.inner.tenant_id = Some(tenant_id.into());
+        self
+    }
+
+    /// Appends a header (tests).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.inner.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the delivery attempt, 1 for the first delivery (tests).
+    pub fn with_attempt(mut self, attempt: u32) -> Self {
+        self.inner.attempt = attempt;
+        self
+    }
+
+    /// Unique id of the message, stable across redeliveries.
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// The routing type, e.g. `order.placed`.
+    pub fn message_type(&self) -> &str {
+        &self.inner.message_type
+    }
+
+    /// The group id; messages of one group never run concurrently. `None` means unordered
+    /// (an empty group id is delivered as `None`).
+    pub fn group_id(&self) -> Option<&str> {
+        self.inner.group_id.as_deref().filter(|g| !g.is_empty())
+    }
+
+    /// The tenant the message belongs to, if any.
+    pub fn tenant_id(&self) -> Option<&str> {
+        self.inner.tenant_id.as_deref()
+    }
+
+    /// The first header named `name`, compared ASCII case-insensitively.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v)
+    }
+
+    /// All headers as delivered, `weir-*` ones included, in delivery order.
+    pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.inner
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+
+    /// The body, untouched.
+    pub fn payload(&self) -> &[u8] {
+        &self.inner.payload
+    }
+
+    /// Takes the body out of the message, leaving it empty.
+    pub fn take_payload(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.inner.payload)
+    }
+
+    /// The delivery attempt: 1 on the first delivery, incremented on every retry.
+    pub fn attempt(&self) -> u32 {
+        self.inner.attempt
+    }
+
+    /// Decodes the payload as JSON.
+    ///
+    /// # Errors
+    /// A payload that does not decode as `T` is a [`Failure::reject`] whose text names `T` and
+    /// carries serde's error (line and column included): malformed input is permanent.
+    pub fn json<T: DeserializeOwned>(&self) -> Result<T, Failure> {
+        serde_json::from_slice(&self.inner.payload).map_err(|e| {
+            Failure::reject(format!(
+                "payload of {:?} is not a valid {}: {e}",
+                self.inner.message_type,
+                std::any::type_name::<T>()
+            ))
+        })
+    }
+
+    /// The payload as UTF-8 text.
+    ///
+    /// # Errors
+    /// A payload that is not UTF-8 is a [`Failure::reject`].
+    pub fn text(&self) -> Result<&str, Failure> {
+        std::str::from_utf8(&self.inner.payload).map_err(|e| {
+            Failure::reject(format!(
+                "payload of {:?} is not UTF-8: {e}",
+                self.inner.message_type
+            ))
+        })
+    }
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Message")
+            .field("id", &self.inner.id)
+            .field("message_type", &self.inner.message_type)
+            .field("group_id", &self.inner.group_id)
+            .field("tenant_id", &self.inner.tenant_id)
+            .field("headers", &self.inner.headers)
+            .field("payload_len", &self.inner.payload.len())
+            .field("attempt", &self.inner.attempt)
+            .finish()
+    }
+}
+
+/// Why a message could not be handled: transient ([`Failure::retry`]) or permanent
+/// ([`Failure::reject`]).
+///
+/// Any [`std::error::Error`] converts into a *retry* through `From`, so `?` on an ordinary
+/// error puts the message back on the retry ladder. To make an error permanent, say so:
+/// `.map_err(Failure::reject)?`.
+///
+/// `Failure` deliberately does not implement [`std::error::Error`] itself: that would conflict
+/// with the blanket conversion (the same design as `anyhow::Error`). It implements
+/// [`Display`](fmt::Display) and [`Debug`](fmt::Debug).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    kind: FailureKind,
+    reason: String,
+}
+
+/// The two dispositions of a [`Failure`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// Transient: the host retries the message on its ladder, then dead-letters it when the
+    /// ladder is exhausted.
+    Retry,
+    /// Permanent: the host dead-letters the message now.
+    Reject,
+}
+
+impl Failure {
+    /// A transient failure: try again later.
+    pub fn retry(reason: impl fmt::Display) -> Self {
+        Failure {
+            kind: FailureKind::Retry,
+            reason: reason.to_string(),
+        }
+    }
+
+    /// A permanent failure: dead-letter the message now, with `reason` as its error text.
+    pub fn reject(reason: impl fmt::Display) -> Self {
+        Failure {
+            kind: FailureKind::Reject,
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Whether this is a retry or a reject.
+    pub fn kind(&self) -> FailureKind {
+        self.kind
+    }
+
+    /// True for [`Failure::retry`].
+    pub fn is_retry(&self) -> bool {
+        self.kind == FailureKind::Retry
+    }
+
+    /// True for [`Failure::reject`].
+    pub fn is_reject(&self) -> bool {
+        self.kind == FailureKind::Reject
+    }
+
+    /// The reason text, as the host will record it.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            FailureKind::Retry => "retry",
+            FailureKind::Reject => "reject",
+        };
+        write!(f, "{kind}: {}", self.reason)
+    }
+}
+
+/// `?` on an ordinary error means retry. The reason is the error followed by its sources,
+/// joined with `": "`.
+impl<E: std::error::Error> From<E> for Failure {
+    fn from(error: E) -> Self {
+        let mut reason = error.to_string();
+        let mut source = error.source();
+        while let Some(cause) = source {
+            reason.push_str(": ");
+            reason.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        Failure::retry(reason)
+    }
+}
+
+impl From<Failure> for wit::Failure {
+    fn from(failure: Failure) -> Self {
+        match failure.kind {
+            FailureKind::Retry => wit::Failure::Retry(failure.reason),
+            FailureKind::Reject => wit::Failure::Reject(failure.reason),
+        }
+    }
+}
+
+/// Severity of a log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Level {
+    /// Very detailed tracing.
+    Trace,
+    /// Diagnostics for developers.
+    Debug,
+    /// Normal operation.
+    Info,
+    /// Something unexpected that the handler coped with.
+    Warn,
+    /// Something failed.
+    Error,
+}
+
+/// Writes a line to the host's log; the host tags it with the handler and the current message.
+pub fn log(level: Level, text: &str) {
+    imports::log(level, text);
+}
+
+/// Publishes a message. The host holds it until the current call succeeds, then sends it
+/// through the broker (with confirms) before acknowledging the incoming message; it inherits the
+/// incoming message's tenant. If the call fails or traps, nothing is published.
+///
+/// # Errors
+/// The host's refusal (e.g. too many messages, a reserved header) as a [`Failure::retry`].
+pub fn publish(
+    message_type: &str,
+    group_id: Option<&str>,
+    headers: &[(&str, &str)],
+    payload: &[u8],
+) -> Result<(), Failure> {
+    imports::publish(message_type, group_id, headers, payload)
+        .map_err(|e| Failure::retry(format!("publishing {message_type:?} failed: {e}")))
+}
+
+/// Publishes `value` as JSON with the header `content-type: application/json`; see [`publish`].
+///
+/// # Errors
+/// A value that cannot be serialized is a [`Failure::reject`] (it is a bug in the handler that
+/// retrying cannot fix); a host refusal is a [`Failure::retry`].
+pub fn publish_json<T: Serialize + ?Sized>(
+    message_type: &str,
+    group_id: Option<&str>,
+    value: &T,
+) -> Result<(), Failure> {
+    let payload = serde_json::to_vec(value).map_err(|e| {
+        Failure::reject(format!(
+            "cannot serialize {} for {message_type:?}: {e}",
+            std::any::type_name::<T>()
+        ))
+    })?;
+    publish(
+        message_type,
+        group_id,
+        &[("content-type", "application/json")],
+        &payload,
+    )
+}
+
+/// A value from this handler's own config table (the `config` map of its `[[handler]]` entry).
+pub fn config(key: &str) -> Option<String> {
+    imports::config(key)
+}
+
+/// Log functions, one per [`Level`]; the macros ([`info!`] etc.) format and call these.
+pub mod log {
+    use super::Level;
+
+    /// Logs `text` at [`Level::Trace`].
+    pub fn trace(text: &str) {
+        super::log(Level::Trace, text);
+    }
+    /// Logs `text` at [`Level::Debug`].
+    pub fn debug(text: &str) {
+        super::log(Level::Debug, text);
+    }
+    /// Logs `text` at [`Level::Info`].
+    pub fn info(text: &str) {
+        super::log(Level::Info, text);
+    }
+    /// Logs `text` at [`Level::Warn`].
+    pub fn warn(text: &str) {
+        super::log(Level::Warn, text);
+    }
+    /// Logs `text` at [`Level::Error`].
+    pub fn error(text: &str) {
+        super::log(Level::Error, text);
+    }
+}
+
+/// Logs a `format!`-style line at trace level.
+#[macro_export]
+macro_rules! trace {
+    ($($arg:tt)+) => { $crate::log($crate::Level::Trace, &::std::format!($($arg)+)) };
+}
+/// Logs a `format!`-style line at debug level.
+#[macro_export]
+macro_rules! debug {
+    ($($arg:tt)+) => { $crate::log($crate::Level::Debug, &::std::format!($($arg)+)) };
+}
+/// Logs a `format!`-style line at info level.
+#[macro_export]
+macro_rules! info {
+    ($($arg:tt)+) => { $crate::log($crate::Level::Info, &::std::format!($($arg)+)) };
+}
+/// Logs a `format!`-style line at warn level.
+#[macro_export]
+macro_rules! warn {
+    ($($arg:tt)+) => { $crate::log($crate::Level::Warn, &::std::format!($($arg)+)) };
+}
+/// Logs a `format!`-style line at error level.
+#[macro_export]
+macro_rules! error {
+    ($($arg:tt)+) => { $crate::log($crate::Level::Error, &::std::format!($($arg)+)) };
+}
+
+/// Exports a [`Handler`] as this component's `handle` and `handle-batch`.
+///
+/// Invoke it exactly once, at item level, in the `cdylib` crate that builds the component:
+/// `weir_guest::export!(MyHandler);`. The argument may be any type path that implements
+/// [`Handler`].
+#[macro_export]
+macro_rules! export {
+    ($handler:ty) => {
+        const _: () = {
+            type WeirGuestExport = $crate::__private::Export<$handler>;
+            $crate::__private::__weir_export_world!(WeirGuestExport with_types_in $crate::__private::bindings);
+        };
+    };
+}
+
+/// The host imports: the real ones on wasm32, the in-memory test host elsewhere.
+mod imports {
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) use crate::testing::imports::*;
+    #[cfg(target_arch = "wasm32")]
+    pub(crate) use real::*;
+
+    #[cfg(target_arch = "wasm32")]
+    mod real {
+        use crate::__private::bindings::weir::handler::{host, types};
+        use crate::Level;
+
+        pub(crate) fn log(level: Level, text: &str) {
+            let level = match level {
+                Level::Trace => types::Level::Trace,
+                Level::Debug => types::Level::Debug,
+                Level::Info => types::Level::Info,
+                Level::Warn => types::Level::Warn,
+                Level::Error => types::Level::Error,
+            };
+            host::log(level, text);
+        }
+
+        pub(crate) fn publish(
+            message_type: &str,
+            group_id: Option<&str>,
+            headers: &[(&str, &str)],
+            payload: &[u8],
+        ) -> Result<(), String> {
+            host::publish(message_type, group_id, headers, payload)
+        }
+
+        pub(crate) fn config(key: &str) -> Option<String> {
+            host::config(key)
+        }
+    }
+}
+
+/// Used by [`export!`]; not part of the API.
+#[doc(hidden)]
+pub mod __private {
+    /// The generated bindings.
+    #[allow(clippy::all, reason = "generated by wit-bindgen")]
+    pub mod bindings {
+        wit_bindgen::generate!({
+            path: "../wit",
+            world: "handler",
+            ownership: Borrowing { duplicate_if_necessary: false },
+            pub_export_macro: true,
+            export_macro_name: "__weir_export_world",
+            default_bindings_module: "$crate::__private::bindings",
+        });
+    }
+
+    pub use bindings::__weir_export_world;
+
+    use crate::{Handler, Message, wit};
+
+    /// Adapts a [`Handler`] to the generated `Guest` trait.
+    pub struct Export<H>(core::marker::PhantomData<H>);
+
+    impl<H: Handler> bindings::Guest for Export<H> {
+        fn handle(msg: wit::Message) -> Result<(), wit::Failure> {
+            H::handle(Message { inner: msg }).map_err(wit::Failure::from)
+        }
+
+        fn handle_batch(batch: Vec<wit::Message>) -> Vec<Result<(), wit::Failure>> {
+            let expected = batch.len();
+            let batch = batch.into_iter().map(|inner| Message { inner }).collect();
+            let results = H::handle_batch(batch);
+            if results.len() != expected {
+                let reason = format!(
+                    "handle_batch returned {} results for {expected} messages",
+                    results.len()
+                );
+                return vec![Err(wit::Failure::Retry(reason)); expected];
+            }
+            results
+                .into_iter()
+                .map(|r| r.map_err(wit::Failure::from))
+                .collect()
+        }
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod tests {
+    use super::__private::{Export, bindings::Guest};
+    use super::*;
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+    impl fmt::Display for Outer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("loading the price list")
+        }
+    }
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn question_mark_on_an_error_means_retry_with_its_sources() {
+        fn load() -> Result<(), Failure> {
+            Err(Outer(std::io::Error::other("connection reset")))?
+        }
+        let failure = load().unwrap_err();
+        assert_eq!(failure.kind(), FailureKind::Retry);
+        assert_eq!(failure.reason(), "loading the price list: connection reset");
+        assert_eq!(
+            failure.to_string(),
+            "retry: loading the price list: connection reset"
+        );
+    }
+
+    #[test]
+    fn decoding_errors_reject_and_name_the_type() {
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code, reason = "only decoded")]
+        struct Order {
+            id: u32,
+        }
+        let failure = Message::new("m", "order", "{\"id\":\"x\"}")
+            .json::<Order>()
+            .unwrap_err();
+        assert!(failure.is_reject());
+        assert!(failure.reason().contains("Order"), "{failure}");
+        assert!(failure.reason().contains("invalid type"), "{failure}");
+        assert!(
+            Message::new("m", "t", vec![0xff])
+                .text()
+                .unwrap_err()
+                .is_reject()
+        );
+        assert_eq!(Message::new("m", "t", "hé").text().unwrap(), "hé");
+    }
+
+    #[test]
+    fn message_accessors() {
+        let msg = Message::new("m-1", "t", "p")
+            .with_group_id("g")
+            .with_tenant_id("acme")
+            .with_header("Weir-Attempt", "2")
+            .with_attempt(2);
+        assert_eq!(
+            (msg.id(), msg.message_type(), msg.payload()),
+            ("m-1", "t", &b"p"[..])
+        );
+        assert_eq!((msg.group_id(), msg.tenant_id()), (Some("g"), Some("acme")));
+        assert_eq!(msg.header("weir-attempt"), Some("2"));
+        assert_eq!(msg.header("weir-group-id"), None);
+        assert_eq!(msg.attempt(), 2);
+        assert_eq!(
+            Message::new("m", "t", "").with_group_id("").group_id(),
+            None
+        );
+    }
+
+    #[test]
+    fn publish_failures_are_retries_and_json_is_labelled() {
+        testing::reset();
+        publish_json("done", Some("g"), &serde_json::json!({ "n": 1 })).unwrap();
+        let published = testing::take_published();
+        assert_eq!(
+            published[0].headers,
+            [("content-type".to_owned(), "application/json".to_owned())]
+        );
+        assert_eq!(published[0].text(), r#"{"n":1}"#);
+        testing::fail_publish(Some("too many messages"));
+        let failure = publish("done", None, &[], b"").unwrap_err();
+        assert!(failure.is_retry());
+        assert!(failure.reason().contains("too many messages"), "{failure}");
+    }
+
+    #[test]
+    fn logs_and_config_reach_the_host() {
+        testing::reset();
+        testing::set_config("currency", "EUR");
+        assert_eq!(config("currency").as_deref(), Some("EUR"));
+        assert_eq!(config("missing"), None);
+        crate::warn!("low stock: {}", 3);
+        log::error("gone");
+        assert_eq!(
+            testing::take_logs(),
+            [
+                (Level::Warn, "low stock: 3".to_owned()),
+                (Level::Error, "gone".to_owned())
+            ]
+        );
+    }
+
+    struct Short;
+    impl Handler for Short {
+        fn handle(msg: Message) -> Result<(), Failure> {
+            match msg.message_type() {
+                "bad" => Err(Failure::reject("bad")),
+                _ => Ok(()),
+            }
+        }
+        fn handle_batch(_batch: Vec<Message>) -> Vec<Result<(), Failure>> {
+            vec![Ok(())]
+        }
+    }
+
+    fn wit_message(message_type: &str) -> wit::Message {
+        Message::new("m", message_type, "").inner
+    }
+
+    #[test]
+    fn adapter_maps_failures_and_guards_the_batch_length() {
+        assert!(
+            matches!(<Export<Short> as Guest>::handle(wit_message("bad")), Err(wit::Failure::Reject(r)) if r == "bad")
+        );
+        let results =
+            <Export<Short> as Guest>::handle_batch(vec![wit_message("a"), wit_message("b")]);
+        assert_eq!(results.len(), 2);
+        for result in results {
+            assert!(
+                matches!(result, Err(wit::Failure::Retry(r)) if r == "handle_batch returned 1 results for 2 messages")
+            );
+        }
+    }
+}

@@ -1,0 +1,1772 @@
+//! The TOML config of one `weir` node (DESIGN.md, "Config"): its types, every default (module
+//! [`defaults`], plus the retry defaults in [`crate::retry::schedule`]), parsing, and validation
+//! whose errors name the file, the key and what would be accepted.
+//!
+//! Validation here knows only the config itself. Facts that need a broker connection (a
+//! stream's `max_age`, an existing consumer's `AckWait`) are checked by the transport or
+//! `weir schedule check` with the same [`Schedule::check`], through [`Topology::schedule`].
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer};
+
+use crate::retry::schedule::{CheckContext, Redelivery, RetryPolicy, Schedule, Violation};
+
+/// Every default of the config, in one place (retry defaults: `crate::retry::schedule`).
+pub mod defaults {
+    use super::ByteSize;
+    use std::time::Duration;
+
+    /// `transport.prefetch`: RabbitMQ prefetch / JetStream max-ack-pending per slot.
+    pub const PREFETCH: u32 = 256;
+    /// `cluster.lease`.
+    pub const LEASE: Duration = Duration::from_secs(5);
+    /// `topology.max_concurrent_groups`, per slot.
+    pub const MAX_CONCURRENT_GROUPS: u32 = 64;
+    /// `topology.max_unordered`, per slot.
+    pub const MAX_UNORDERED: u32 = 16;
+    /// `handler.batch.size`.
+    pub const BATCH_SIZE: u32 = 100;
+    /// `handler.batch.linger`.
+    pub const BATCH_LINGER: Duration = Duration::from_millis(20);
+    /// `handler.limits.memory`.
+    pub const MEMORY: ByteSize = ByteSize(64 * 1024 * 1024);
+    /// `handler.limits.timeout`.
+    pub const TIMEOUT: Duration = Duration::from_secs(5);
+    /// `handler.limits.instances`.
+    pub const INSTANCES: u32 = 16;
+
+    /// `node.name`: the host name and the process id, `"{host}-{pid}"`.
+    pub fn node_name() -> String {
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "weir".to_string());
+        format!("{host}-{}", std::process::id())
+    }
+
+    pub(super) fn prefetch() -> u32 {
+        PREFETCH
+    }
+    pub(super) fn lease() -> Duration {
+        LEASE
+    }
+    pub(super) fn max_concurrent_groups() -> u32 {
+        MAX_CONCURRENT_GROUPS
+    }
+    pub(super) fn max_unordered() -> u32 {
+        MAX_UNORDERED
+    }
+    pub(super) fn batch_size() -> u32 {
+        BATCH_SIZE
+    }
+    pub(super) fn batch_linger() -> Duration {
+        BATCH_LINGER
+    }
+    pub(super) fn memory() -> ByteSize {
+        MEMORY
+    }
+    pub(super) fn timeout() -> Duration {
+        TIMEOUT
+    }
+    pub(super) fn instances() -> u32 {
+        INSTANCES
+    }
+    pub(super) fn yes() -> bool {
+        true
+    }
+}
+
+/// A whole config file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This node: its name and admin listener.
+    #[serde(default)]
+    pub node: Node,
+    /// The broker. Absent: the in-memory broker.
+    #[serde(default)]
+    pub transport: Transport,
+    /// How slots are assigned to nodes. Absent: `solo`.
+    #[serde(default)]
+    pub cluster: Cluster,
+    /// Topologies (`[[topology]]`): a named set of slots with its retry policy.
+    #[serde(default)]
+    pub topology: Vec<Topology>,
+    /// Handlers (`[[handler]]`): a component bound to message types of one topology.
+    #[serde(default)]
+    pub handler: Vec<Handler>,
+    /// Where the config came from (file path or label), named in errors. Not read from TOML.
+    #[serde(skip)]
+    pub origin: String,
+}
+
+/// `[node]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    /// This node's name in the cluster; default: host name and process id.
+    #[serde(default = "defaults::node_name")]
+    pub name: String,
+    /// Address of the admin HTTP listener (health, metrics, deploy), e.g. `"127.0.0.1:9464"`;
+    /// absent: no admin listener.
+    #[serde(default)]
+    pub admin: Option<SocketAddr>,
+}
+
+impl Default for Node {
+    fn default() -> Self {
+        Self {
+            name: defaults::node_name(),
+            admin: None,
+        }
+    }
+}
+
+/// `[transport]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Transport {
+    /// The broker: `memory`, `rabbitmq` or `nats` (JetStream).
+    #[serde(default)]
+    pub kind: TransportKind,
+    /// Broker URL; required for `rabbitmq` (`amqp://…`) and `nats` (`nats://…`).
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Unacknowledged messages a node may hold per slot subscription: RabbitMQ prefetch,
+    /// JetStream max-ack-pending. The back-pressure bound.
+    #[serde(default = "defaults::prefetch")]
+    pub prefetch: u32,
+}
+
+impl Default for Transport {
+    fn default() -> Self {
+        Self {
+            kind: TransportKind::default(),
+            url: None,
+            prefetch: defaults::PREFETCH,
+        }
+    }
+}
+
+/// `transport.kind`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// In-process broker: tests and `weir demo`.
+    #[default]
+    Memory,
+    /// RabbitMQ (AMQP 0-9-1).
+    Rabbitmq,
+    /// NATS JetStream.
+    Nats,
+}
+
+impl TransportKind {
+    /// Who serves the retry ladder on this broker. `ack_wait` is a JetStream consumer's
+    /// `AckWait` when known; it is ignored for the other kinds.
+    pub fn redelivery(self, ack_wait: Option<Duration>) -> Redelivery {
+        match self {
+            TransportKind::Memory | TransportKind::Rabbitmq => Redelivery::Host,
+            TransportKind::Nats => Redelivery::JetStream {
+                ack_wait,
+                capture_reserve: crate::retry::schedule::DEFAULT_CAPTURE_RESERVE,
+            },
+        }
+    }
+
+    /// The name as written in the config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Memory => "memory",
+            TransportKind::Rabbitmq => "rabbitmq",
+            TransportKind::Nats => "nats",
+        }
+    }
+}
+
+/// `[cluster]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// `solo` (this node owns every slot), `static` (owned_slots), `postgres` (a coordinator
+    /// with leases), or `rabbitmq-sac` (RabbitMQ single active consumer).
+    #[serde(default)]
+    pub mode: ClusterMode,
+    /// The slots this node owns, in every topology; `static` mode only.
+    #[serde(default)]
+    pub owned_slots: Option<Vec<u32>>,
+    /// Postgres URL of the coordinator; `postgres` mode only.
+    #[serde(default)]
+    pub database_url: Option<String>,
+    /// How long a node's slot lease lasts without renewal (`postgres` mode).
+    #[serde(default = "defaults::lease", deserialize_with = "de_duration")]
+    pub lease: Duration,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Self {
+            mode: ClusterMode::default(),
+            owned_slots: None,
+            database_url: None,
+            lease: defaults::LEASE,
+        }
+    }
+}
+
+/// `cluster.mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClusterMode {
+    /// One node owns every slot.
+    #[default]
+    Solo,
+    /// Ownership configured per node (`owned_slots`).
+    Static,
+    /// A Postgres coordinator assigns slots with leases and fencing epochs.
+    Postgres,
+    /// RabbitMQ's single active consumer enforces one consumer per slot queue.
+    RabbitmqSac,
+}
+
+/// `[[topology]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Name used in broker objects (`weir.{name}`, `WEIR_{name}`): `[a-z0-9_-]+`.
+    pub name: String,
+    /// Number of slots (>= 1). Changing it moves groups between slots.
+    pub slots: u32,
+    /// Groups that may run at once in one slot.
+    #[serde(default = "defaults::max_concurrent_groups")]
+    pub max_concurrent_groups: u32,
+    /// Messages without a group id that may run at once in one slot.
+    #[serde(default = "defaults::max_unordered")]
+    pub max_unordered: u32,
+    /// Retry policy; absent: the default ladder, which no check rejects.
+    #[serde(default)]
+    pub retry: Option<RetrySection>,
+}
+
+impl Topology {
+    /// A topology with default concurrency and the default retry policy.
+    pub fn new(name: impl Into<String>, slots: u32) -> Self {
+        Self {
+            name: name.into(),
+            slots,
+            max_concurrent_groups: defaults::MAX_CONCURRENT_GROUPS,
+            max_unordered: defaults::MAX_UNORDERED,
+            retry: None,
+        }
+    }
+
+    /// The effective retry policy: the section over [`RetryPolicy::default`].
+    pub fn retry_policy(&self) -> RetryPolicy {
+        match &self.retry {
+            None => RetryPolicy::default(),
+            Some(section) => {
+                let default = RetryPolicy::default();
+                RetryPolicy {
+                    ladder: section.ladder.clone().unwrap_or(default.ladder),
+                    max_deliver: section.max_deliver.unwrap_or(default.max_deliver),
+                    max_time_to_dead_letter: section.max_time_to_dead_letter,
+                    origin: crate::retry::schedule::Origin::Configured,
+                }
+            }
+        }
+    }
+
+    /// The retry schedule on `transport` (`ack_wait`: a JetStream consumer's, when known).
+    pub fn schedule(&self, transport: TransportKind, ack_wait: Option<Duration>) -> Schedule {
+        self.retry_policy().schedule(transport.redelivery(ack_wait))
+    }
+}
+
+/// `[topology.retry]`; omitted keys take the defaults of [`RetryPolicy::default`].
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrySection {
+    /// Delay before each redelivery: rung k is waited before delivery k + 1; the last repeats.
+    /// Default `["1s", "5s", "30s"]`. Empty: JetStream waits AckWait; others retry at once.
+    #[serde(default, deserialize_with = "de_duration_list")]
+    pub ladder: Option<Vec<Duration>>,
+    /// Deliveries in total, the first included; 0 or less: unlimited. Default 5.
+    #[serde(default)]
+    pub max_deliver: Option<i64>,
+    /// Upper bound on the time from first delivery to dead-letter, checked at start.
+    #[serde(default, deserialize_with = "de_duration_opt")]
+    pub max_time_to_dead_letter: Option<Duration>,
+}
+
+/// `[[handler]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Handler {
+    /// Unique name, used by the admin API and in `weir-handler`: `[A-Za-z0-9_.-]+`.
+    pub name: String,
+    /// Path of the Wasm component; relative paths are resolved against the config file's
+    /// directory.
+    pub component: PathBuf,
+    /// Name of the topology whose messages this handler receives.
+    pub topology: String,
+    /// Message types delivered one at a time to `handle`.
+    #[serde(default)]
+    pub message_types: Vec<String>,
+    /// Bind only this tenant's messages; absent: messages of any tenant without a more
+    /// specific binding.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Message types delivered in batches to `handle-batch`.
+    #[serde(default)]
+    pub batch: Option<Batch>,
+    /// Resource limits per call and per pool.
+    #[serde(default)]
+    pub limits: Limits,
+    /// The handler's own settings, read by the guest with `config(key)`; values are strings.
+    #[serde(default, deserialize_with = "de_string_table")]
+    pub config: BTreeMap<String, String>,
+    /// `reuse` instances within a pool (fast), or a `fresh` instance per message (isolation).
+    #[serde(default)]
+    pub instance_mode: InstanceMode,
+    /// WASI capabilities granted beyond clocks and random; all denied by default.
+    #[serde(default)]
+    pub wasi: Wasi,
+}
+
+impl Handler {
+    /// A handler with default limits, no batch, no grants and an empty config table.
+    pub fn new(
+        name: impl Into<String>,
+        component: impl Into<PathBuf>,
+        topology: impl Into<String>,
+        message_types: Vec<String>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            component: component.into(),
+            topology: topology.into(),
+            message_types,
+            tenant: None,
+            batch: None,
+            limits: Limits::default(),
+            config: BTreeMap::new(),
+            instance_mode: InstanceMode::default(),
+            wasi: Wasi::default(),
+        }
+    }
+}
+
+/// `handler.batch`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Batch {
+    /// Message types delivered in batches; each batch is one (tenant, group).
+    pub message_types: Vec<String>,
+    /// Most messages in one batch (>= 1).
+    #[serde(default = "defaults::batch_size")]
+    pub size: u32,
+    /// How long a partial batch waits for more messages.
+    #[serde(default = "defaults::batch_linger", deserialize_with = "de_duration")]
+    pub linger: Duration,
+}
+
+/// `handler.limits`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Linear memory one instance may grow to, e.g. `"64MiB"`.
+    #[serde(default = "defaults::memory")]
+    pub memory: ByteSize,
+    /// Longest a call may run before it is interrupted (and retried).
+    #[serde(default = "defaults::timeout", deserialize_with = "de_duration")]
+    pub timeout: Duration,
+    /// Instances of this handler that may exist at once on this node.
+    #[serde(default = "defaults::instances")]
+    pub instances: u32,
+    /// Wasm stack limit; absent: the engine's default.
+    #[serde(default)]
+    pub max_stack: Option<ByteSize>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            memory: defaults::MEMORY,
+            timeout: defaults::TIMEOUT,
+            instances: defaults::INSTANCES,
+            max_stack: None,
+        }
+    }
+}
+
+/// `handler.instance_mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceMode {
+    /// Reuse instances from a pool (about 1 µs a call for a Rust guest).
+    #[default]
+    Reuse,
+    /// A fresh instance for every message or batch (strict isolation; slower).
+    Fresh,
+}
+
+/// `handler.wasi`: grants beyond clocks and random. Everything is denied unless listed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Wasi {
+    /// Names of host environment variables passed to the guest (name only, no `=`).
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Let the guest write to the host's stdout and stderr.
+    #[serde(default)]
+    pub inherit_stdio: bool,
+    /// Host directories the guest may open.
+    #[serde(default)]
+    pub preopens: Vec<Preopen>,
+    /// Allow outbound sockets.
+    #[serde(default)]
+    pub network: bool,
+}
+
+/// One `handler.wasi.preopens` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Preopen {
+    /// Host directory; relative paths are resolved against the config file's directory.
+    pub host: PathBuf,
+    /// Path the guest sees, e.g. `"/data"`.
+    pub guest: String,
+    /// Deny writes (default true).
+    #[serde(default = "defaults::yes")]
+    pub read_only: bool,
+}
+
+/// A size in bytes, written `"64MiB"`, `"512KiB"`, `"1GiB"`, `"100B"` or a plain integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    /// Parses `"64MiB"`, `"512 KiB"`, `"1GiB"`, `"1TiB"`, `"100B"` or `"4096"`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (number, unit) = t.split_at(split);
+        let accepted = "expected a whole number of bytes or a number with a unit B, KiB, MiB, \
+                        GiB or TiB, e.g. \"64MiB\"";
+        let number: u64 = number
+            .parse()
+            .map_err(|_| format!("invalid size {text:?}: {accepted}"))?;
+        let factor: u64 = match unit.trim_start() {
+            "" | "B" => 1,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "TiB" => 1 << 40,
+            _ => return Err(format!("invalid size {text:?}: {accepted}")),
+        };
+        number
+            .checked_mul(factor)
+            .map(ByteSize)
+            .ok_or_else(|| format!("size {text:?} does not fit in 64 bits"))
+    }
+
+    /// The size in bytes.
+    pub fn bytes(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let units = [
+            (1u64 << 40, "TiB"),
+            (1 << 30, "GiB"),
+            (1 << 20, "MiB"),
+            (1 << 10, "KiB"),
+        ];
+        for (factor, unit) in units {
+            if self.0 >= factor && self.0.is_multiple_of(factor) {
+                return write!(f, "{}{unit}", self.0 / factor);
+            }
+        }
+        write!(f, "{}B", self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(i64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => u64::try_from(n).map(ByteSize).map_err(|_| {
+                de::Error::custom(format!("invalid size {n}: a size cannot be negative"))
+            }),
+            Raw::Text(t) => ByteSize::parse(&t).map_err(de::Error::custom),
+        }
+    }
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim()).map_err(|e| {
+        format!(
+            "invalid duration {text:?} ({e}); expected a number with a unit, e.g. \"20ms\", \
+             \"5s\", \"10m\", \"1h\""
+        )
+    })
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_duration(&text).map_err(de::Error::custom)
+}
+
+fn de_duration_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    de_duration(d).map(Some)
+}
+
+fn de_duration_list<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Duration>>, D::Error> {
+    let texts = Vec::<String>::deserialize(d)?;
+    texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| parse_duration(t).map_err(|e| de::Error::custom(format!("ladder[{i}]: {e}"))))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn de_string_table<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+    let raw = BTreeMap::<String, toml::Value>::deserialize(d)?;
+    raw.into_iter()
+        .map(|(key, value)| match value {
+            toml::Value::String(s) => Ok((key, s)),
+            other => Err(de::Error::custom(format!(
+                "config.{key}: expected a string, found {} {other}; handler config values are \
+                 strings: write {key} = \"{}\"",
+                other.type_str(),
+                other.to_string().trim_matches('"'),
+            ))),
+        })
+        .collect()
+}
+
+/// Why a config cannot be used. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{origin}: cannot read the config file: {source}")]
+    Read {
+        /// The path.
+        origin: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not valid TOML, an unknown key, or a value of the wrong shape; `message` is the toml
+    /// crate's text with line, column and the offending key or value.
+    #[error("{origin}: {}{message}", section.as_deref().map(|s| format!("in {s}: ")).unwrap_or_default())]
+    Syntax {
+        /// The file or label.
+        origin: String,
+        /// The enclosing table, e.g. `handler[1]`, when it could be found.
+        section: Option<String>,
+        /// The parser's message.
+        message: String,
+    },
+    /// Well-formed but inconsistent: one violation per key at fault.
+    #[error("{origin}: invalid config:\n{}", list(issues))]
+    Invalid {
+        /// The file or label.
+        origin: String,
+        /// Each key at fault, with what would be accepted.
+        issues: Vec<Violation>,
+    },
+}
+
+fn list(issues: &[Violation]) -> String {
+    let lines: Vec<String> = issues.iter().map(|v| format!("  {v}")).collect();
+    lines.join("\n")
+}
+
+/// Reads, parses and validates the config at `path` (see [`parse`]).
+pub fn load(path: &Path) -> anyhow::Result<Config> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        origin: origin.clone(),
+        source,
+    })?;
+    Ok(parse(&text, &origin)?)
+}
+
+/// Parses and validates `text`. `origin` is the file's path, named in errors; relative
+/// component and preopen paths are resolved against its directory (a label with no directory,
+/// like `"<inline>"`, leaves them as written). Warnings are not returned here: call
+/// [`Config::validate`] to log them.
+pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+    let mut config: Config = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+        origin: origin.to_string(),
+        section: e.span().and_then(|span| section_at(text, span.start)),
+        message: e.to_string().trim_end().to_string(),
+    })?;
+    config.origin = origin.to_string();
+    if let Some(base) = Path::new(origin)
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+    {
+        config.resolve_paths(base);
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// The table enclosing byte `offset` of `text`, from the headers before it: `node`,
+/// `topology[2].retry`, `handler[1]`, …
+fn section_at(text: &str, offset: usize) -> Option<String> {
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let mut current: Option<String> = None;
+    let mut arrays: HashMap<String, String> = HashMap::new();
+    let mut start = 0;
+    for line in text.split_inclusive('\n') {
+        if start > offset {
+            break;
+        }
+        start += line.len();
+        let code = line.split('#').next().unwrap_or("").trim();
+        let (array, inner) =
+            if let Some(i) = code.strip_prefix("[[").and_then(|c| c.strip_suffix("]]")) {
+                (true, i)
+            } else if let Some(i) = code.strip_prefix('[').and_then(|c| c.strip_suffix(']')) {
+                (false, i)
+            } else {
+                continue;
+            };
+        let name = inner.trim();
+        let is_header = !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !is_header {
+            continue;
+        }
+        // Qualify with the index of the innermost array of tables it extends.
+        let (parent, leaf) = name.rsplit_once('.').map_or(("", name), |(p, l)| (p, l));
+        let qualified_parent = arrays
+            .get(parent)
+            .cloned()
+            .unwrap_or_else(|| parent.to_string());
+        let base = if parent.is_empty() {
+            leaf.to_string()
+        } else {
+            format!("{qualified_parent}.{leaf}")
+        };
+        if array {
+            let n = counts.entry(name.to_string()).or_insert(0);
+            let q = format!("{base}[{n}]");
+            *n += 1;
+            arrays.insert(name.to_string(), q.clone());
+            current = Some(q);
+        } else {
+            current = Some(base);
+        }
+    }
+    current
+}
+
+/// Collects violations during validation.
+#[derive(Default)]
+struct Issues(Vec<Violation>);
+
+impl Issues {
+    fn add(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Violation {
+            key: key.into(),
+            message: message.into(),
+        });
+    }
+}
+
+fn is_broker_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
+}
+
+fn is_handler_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+impl Config {
+    /// The config key of topology `index`'s retry section, as named in violations.
+    pub fn retry_key(index: usize) -> String {
+        format!("topology[{index}].retry")
+    }
+
+    /// The topology named `name`.
+    pub fn topology(&self, name: &str) -> Option<&Topology> {
+        self.topology.iter().find(|t| t.name == name)
+    }
+
+    /// Resolves relative component and preopen paths against `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        for h in &mut self.handler {
+            if h.component.is_relative() {
+                h.component = base.join(&h.component);
+            }
+            for p in &mut h.wasi.preopens {
+                if p.host.is_relative() {
+                    p.host = base.join(&p.host);
+                }
+            }
+        }
+    }
+
+    /// Checks everything that can be checked without a broker. Errors stop the start; the
+    /// warnings (retry rules that do not reject, unused keys) are returned for logging.
+    pub fn validate(&self) -> Result<Vec<Violation>, ConfigError> {
+        let mut errors = Issues::default();
+        let mut warnings = Vec::new();
+        self.validate_node_transport_cluster(&mut errors, &mut warnings);
+        self.validate_topologies(&mut errors, &mut warnings);
+        self.validate_handlers(&mut errors);
+        if errors.0.is_empty() {
+            Ok(warnings)
+        } else {
+            Err(ConfigError::Invalid {
+                origin: self.origin.clone(),
+                issues: errors.0,
+            })
+        }
+    }
+
+    fn validate_node_transport_cluster(&self, errors: &mut Issues, warnings: &mut Vec<Violation>) {
+        if self.node.name.trim().is_empty() {
+            errors.add(
+                "node.name",
+                "is empty; accepted: any non-empty name, unique in the cluster",
+            );
+        }
+        let t = &self.transport;
+        let kind = t.kind.as_str();
+        match (t.kind, t.url.as_deref().map(str::trim)) {
+            (TransportKind::Rabbitmq, None | Some("")) => errors.add(
+                "transport.url",
+                "is required for kind = \"rabbitmq\", e.g. url = \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
+            ),
+            (TransportKind::Rabbitmq, Some(url))
+                if !(url.starts_with("amqp://") || url.starts_with("amqps://")) =>
+            {
+                errors.add(
+                    "transport.url",
+                    format!("{url:?} is not an AMQP URL; accepted: amqp://… or amqps://…"),
+                )
+            }
+            (TransportKind::Nats, None | Some("")) => errors.add(
+                "transport.url",
+                "is required for kind = \"nats\", e.g. url = \"nats://127.0.0.1:4222\"",
+            ),
+            (TransportKind::Memory, Some(_)) => warnings.push(Violation {
+                key: "transport.url".into(),
+                message: "is ignored by kind = \"memory\"".into(),
+            }),
+            _ => {}
+        }
+        if t.prefetch == 0 {
+            errors.add(
+                "transport.prefetch",
+                "is 0, which would deliver nothing; accepted: 1 or more",
+            );
+        }
+
+        let c = &self.cluster;
+        let mode = match c.mode {
+            ClusterMode::Solo => "solo",
+            ClusterMode::Static => "static",
+            ClusterMode::Postgres => "postgres",
+            ClusterMode::RabbitmqSac => "rabbitmq-sac",
+        };
+        match (c.mode, &c.owned_slots) {
+            (ClusterMode::Static, None) => errors.add(
+                "cluster.owned_slots",
+                "is required in static mode: the slots this node consumes, e.g. owned_slots = [0, 1]",
+            ),
+            (ClusterMode::Static, Some(slots)) => {
+                if slots.is_empty() {
+                    errors.add(
+                        "cluster.owned_slots",
+                        "is empty; a static node must own at least one slot, e.g. [0]",
+                    );
+                }
+                let mut seen = HashSet::new();
+                for (j, slot) in slots.iter().enumerate() {
+                    if !seen.insert(slot) {
+                        errors.add(format!("cluster.owned_slots[{j}]"), format!("slot {slot} is listed twice"));
+                    }
+                    for t in &self.topology {
+                        if *slot >= t.slots {
+                            errors.add(
+                                format!("cluster.owned_slots[{j}]"),
+                                format!(
+                                    "slot {slot} does not exist in topology {:?}, which has {} slots; \
+                                     accepted: 0 to {}",
+                                    t.name,
+                                    t.slots,
+                                    t.slots.saturating_sub(1)
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            (_, Some(_)) => errors.add(
+                "cluster.owned_slots",
+                format!("is only read in static mode, not in mode = {mode:?}; remove it or set mode = \"static\""),
+            ),
+            _ => {}
+        }
+        match (c.mode, c.database_url.as_deref().map(str::trim)) {
+            (ClusterMode::Postgres, None | Some("")) => errors.add(
+                "cluster.database_url",
+                "is required in postgres mode, e.g. database_url = \"postgres://postgres@127.0.0.1/weir\"",
+            ),
+            (ClusterMode::Postgres, _) | (_, None) => {}
+            (_, Some(_)) => errors.add(
+                "cluster.database_url",
+                format!("is only read in postgres mode, not in mode = {mode:?}; remove it or set mode = \"postgres\""),
+            ),
+        }
+        if c.mode == ClusterMode::RabbitmqSac && t.kind != TransportKind::Rabbitmq {
+            errors.add(
+                "cluster.mode",
+                format!("\"rabbitmq-sac\" needs transport.kind = \"rabbitmq\", not {kind:?}; accepted with {kind:?}: solo, static or postgres"),
+            );
+        }
+        if c.lease.is_zero() {
+            errors.add(
+                "cluster.lease",
+                "is 0s; accepted: a positive duration such as \"5s\"",
+            );
+        }
+    }
+
+    fn validate_topologies(&self, errors: &mut Issues, warnings: &mut Vec<Violation>) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, t) in self.topology.iter().enumerate() {
+            let key = format!("topology[{i}]");
+            if !is_broker_name(&t.name) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!("{:?} cannot name broker objects; accepted: lowercase letters, digits, '_' and '-' ([a-z0-9_-]+)", t.name),
+                );
+            }
+            if let Some(first) = names.insert(&t.name, i) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is already the name of topology[{first}]; topology names are unique",
+                        t.name
+                    ),
+                );
+            }
+            if t.slots == 0 {
+                errors.add(format!("{key}.slots"), "is 0; accepted: 1 or more");
+            }
+            if t.max_concurrent_groups == 0 {
+                errors.add(
+                    format!("{key}.max_concurrent_groups"),
+                    "is 0, which would run nothing; accepted: 1 or more",
+                );
+            }
+            if t.max_unordered == 0 {
+                errors.add(
+                    format!("{key}.max_unordered"),
+                    "is 0, which would never run messages without a group id; accepted: 1 or more",
+                );
+            }
+            let report = t
+                .schedule(self.transport.kind, None)
+                .check(&CheckContext::new(Self::retry_key(i)));
+            errors.0.extend(report.errors);
+            warnings.extend(report.warnings);
+        }
+    }
+
+    fn validate_handlers(&self, errors: &mut Issues) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        // (topology, tenant, message type) → (handler index, key)
+        let mut bound: HashMap<(&str, Option<&str>, &str), (usize, String)> = HashMap::new();
+        for (i, h) in self.handler.iter().enumerate() {
+            let key = format!("handler[{i}]");
+            if !is_handler_name(&h.name) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is not a handler name; accepted: letters, digits, '_', '-' and '.'",
+                        h.name
+                    ),
+                );
+            }
+            if let Some(first) = names.insert(&h.name, i) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is already the name of handler[{first}]; handler names are unique",
+                        h.name
+                    ),
+                );
+            }
+            if h.component.as_os_str().is_empty() {
+                errors.add(
+                    format!("{key}.component"),
+                    "is empty; accepted: the path of a .wasm component",
+                );
+            }
+            if self.topology(&h.topology).is_none() {
+                let known: Vec<&str> = self.topology.iter().map(|t| t.name.as_str()).collect();
+                errors.add(
+                    format!("{key}.topology"),
+                    format!(
+                        "{:?} is not a [[topology]] name; accepted: one of {known:?}",
+                        h.topology
+                    ),
+                );
+            }
+            if let Some(tenant) = &h.tenant
+                && tenant.trim().is_empty()
+            {
+                errors.add(
+                    format!("{key}.tenant"),
+                    "is empty; remove it to bind every tenant, or name one",
+                );
+            }
+            let batch_types = h
+                .batch
+                .as_ref()
+                .map_or(&[][..], |b| b.message_types.as_slice());
+            if h.message_types.is_empty() && batch_types.is_empty() {
+                errors.add(
+                    format!("{key}.message_types"),
+                    "is empty and there is no batch.message_types: the handler would receive nothing; \
+                     accepted: at least one message type, e.g. [\"order.placed\"]",
+                );
+            }
+            let lists = [
+                ("message_types", h.message_types.as_slice()),
+                ("batch.message_types", batch_types),
+            ];
+            for (field, types) in lists {
+                for (k, ty) in types.iter().enumerate() {
+                    let type_key = format!("{key}.{field}[{k}]");
+                    if ty.trim().is_empty() {
+                        errors.add(
+                            type_key,
+                            "is empty; accepted: a message type such as \"order.placed\"",
+                        );
+                        continue;
+                    }
+                    let slot = (h.topology.as_str(), h.tenant.as_deref(), ty.as_str());
+                    if let Some((other, other_key)) = bound.get(&slot) {
+                        let tenant = h
+                            .tenant
+                            .as_deref()
+                            .map_or("any tenant".to_string(), |t| format!("tenant {t:?}"));
+                        errors.add(
+                            type_key,
+                            format!(
+                                "{ty:?} in topology {:?} for {tenant} is already bound by {other_key} (handler[{other}]); \
+                                 each (topology, tenant, message type) goes to one handler: remove one binding \
+                                 or set a different tenant",
+                                h.topology
+                            ),
+                        );
+                    } else {
+                        bound.insert(slot, (i, type_key));
+                    }
+                }
+            }
+            if let Some(b) = &h.batch {
+                if b.message_types.is_empty() {
+                    errors.add(
+                        format!("{key}.batch.message_types"),
+                        "is empty; accepted: the message types to batch, or remove batch",
+                    );
+                }
+                if b.size == 0 {
+                    errors.add(format!("{key}.batch.size"), "is 0; accepted: 1 or more");
+                }
+            }
+            let l = &h.limits;
+            if l.memory.0 == 0 {
+                errors.add(
+                    format!("{key}.limits.memory"),
+                    "is 0; accepted: a size such as \"64MiB\"",
+                );
+            }
+            if l.timeout.is_zero() {
+                errors.add(
+                    format!("{key}.limits.timeout"),
+                    "is 0s; accepted: a positive duration such as \"5s\"",
+                );
+            }
+            if l.instances == 0 {
+                errors.add(
+                    format!("{key}.limits.instances"),
+                    "is 0, which would run nothing; accepted: 1 or more",
+                );
+            }
+            if let Some(stack) = l.max_stack
+                && stack.0 == 0
+            {
+                errors.add(
+                    format!("{key}.limits.max_stack"),
+                    "is 0; accepted: a size such as \"512KiB\", or remove it",
+                );
+            }
+            for (k, name) in h.wasi.env.iter().enumerate() {
+                if name.is_empty() || name.contains('=') || name.contains('\0') {
+                    errors.add(
+                        format!("{key}.wasi.env[{k}]"),
+                        format!("{name:?} is not an environment variable name; accepted: a name such as \"RUST_LOG\" (no '=')"),
+                    );
+                }
+            }
+            for (k, p) in h.wasi.preopens.iter().enumerate() {
+                if p.host.as_os_str().is_empty() {
+                    errors.add(
+                        format!("{key}.wasi.preopens[{k}].host"),
+                        "is empty; accepted: a host directory",
+                    );
+                }
+                if p.guest.trim().is_empty() {
+                    errors.add(
+                        format!("{key}.wasi.preopens[{k}].guest"),
+                        "is empty; accepted: a guest path such as \"/data\"",
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::schedule::Origin;
+
+    const DESIGN_EXAMPLE: &str = include_str!("../tests/config/design-example.toml");
+
+    fn invalid(text: &str) -> Vec<Violation> {
+        match parse(text, "weir.toml") {
+            Err(ConfigError::Invalid { origin, issues }) => {
+                assert_eq!(origin, "weir.toml");
+                issues
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    /// Asserts that validation fails with exactly one issue at `key`, whose message contains
+    /// `needle`, and that the rendered error names the file and the key.
+    fn assert_one(text: &str, key: &str, needle: &str) {
+        let issues = invalid(text);
+        assert_eq!(issues.len(), 1, "{issues:#?}");
+        assert_eq!(issues[0].key, key, "{issues:#?}");
+        assert!(
+            issues[0].message.contains(needle),
+            "{:?} lacks {needle:?}",
+            issues[0].message
+        );
+        let rendered = parse(text, "weir.toml")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(rendered.starts_with("weir.toml: "), "{rendered}");
+        assert!(rendered.contains(key), "{rendered}");
+    }
+
+    fn syntax(text: &str) -> String {
+        match parse(text, "conf/weir.toml") {
+            Err(e @ ConfigError::Syntax { .. }) => e.to_string(),
+            other => panic!("expected Syntax, got {other:?}"),
+        }
+    }
+
+    /// A minimal valid config, with room to add lines.
+    fn base(extra: &str) -> String {
+        format!(
+            "[[topology]]\nname = \"orders\"\nslots = 4\n\n[[handler]]\nname = \"h\"\n\
+             component = \"h.wasm\"\ntopology = \"orders\"\nmessage_types = [\"a\"]\n{extra}"
+        )
+    }
+
+    #[test]
+    fn design_example_parses() {
+        let c = parse(DESIGN_EXAMPLE, "design-example.toml").expect("the DESIGN.md config parses");
+        assert_eq!(c.node.name, "node-a");
+        assert_eq!(c.node.admin, Some("127.0.0.1:9464".parse().expect("addr")));
+        assert_eq!(c.transport.kind, TransportKind::Rabbitmq);
+        assert_eq!(c.transport.prefetch, 256);
+        assert_eq!(c.cluster.mode, ClusterMode::Postgres);
+        assert_eq!(c.cluster.lease, Duration::from_secs(5));
+        assert_eq!(c.topology.len(), 1);
+        let t = &c.topology[0];
+        assert_eq!(
+            (
+                t.name.as_str(),
+                t.slots,
+                t.max_concurrent_groups,
+                t.max_unordered
+            ),
+            ("orders", 6, 64, 16)
+        );
+        let p = t.retry_policy();
+        assert_eq!(p.ladder, [1, 5, 30].map(Duration::from_secs));
+        assert_eq!(p.max_deliver, 5);
+        assert_eq!(p.max_time_to_dead_letter, Some(Duration::from_secs(600)));
+        assert_eq!(p.origin, Origin::Configured);
+        let h = &c.handler[0];
+        assert_eq!(
+            h.component,
+            PathBuf::from("examples/rust/orders/orders.wasm")
+        );
+        assert_eq!(h.message_types, ["order.placed", "order.paid"]);
+        assert_eq!(h.tenant.as_deref(), Some("acme"));
+        let b = h.batch.as_ref().expect("batch");
+        assert_eq!(
+            (b.message_types.as_slice(), b.size, b.linger),
+            (
+                &["order.line-added".to_string()][..],
+                100,
+                Duration::from_millis(20)
+            )
+        );
+        assert_eq!(h.limits.memory, ByteSize(64 << 20));
+        assert_eq!(h.limits.timeout, Duration::from_secs(5));
+        assert_eq!(h.limits.instances, 16);
+        assert_eq!(h.config.get("currency").map(String::as_str), Some("EUR"));
+        assert_eq!(h.instance_mode, InstanceMode::Reuse);
+        assert_eq!(h.wasi, Wasi::default());
+        assert_eq!(c.validate().expect("valid"), Vec::<Violation>::new());
+    }
+
+    #[test]
+    fn an_empty_file_is_a_memory_solo_node() {
+        let c = parse("", "<inline>").expect("empty config");
+        assert_eq!(c.transport.kind, TransportKind::Memory);
+        assert_eq!(c.cluster.mode, ClusterMode::Solo);
+        assert!(!c.node.name.is_empty());
+        assert!(
+            c.node.name.ends_with(&format!("-{}", std::process::id())),
+            "{}",
+            c.node.name
+        );
+    }
+
+    #[test]
+    fn defaults_fill_every_omitted_key() {
+        let c = parse(&base(""), "<inline>").expect("valid");
+        let t = &c.topology[0];
+        assert_eq!(t.max_concurrent_groups, defaults::MAX_CONCURRENT_GROUPS);
+        assert_eq!(t.max_unordered, defaults::MAX_UNORDERED);
+        assert_eq!(t.retry_policy(), RetryPolicy::default());
+        let h = &c.handler[0];
+        assert_eq!(h.limits.memory, defaults::MEMORY);
+        assert_eq!(h.limits.max_stack, None);
+        assert_eq!(h.instance_mode, InstanceMode::Reuse);
+        assert!(
+            !h.wasi.inherit_stdio
+                && !h.wasi.network
+                && h.wasi.env.is_empty()
+                && h.wasi.preopens.is_empty()
+        );
+        assert_eq!(c.transport.prefetch, defaults::PREFETCH);
+        // a partial retry section keeps the other defaults but counts as configured
+        let c = parse(
+            &base("").replace(
+                "slots = 4\n",
+                "slots = 4\n[topology.retry]\nmax_deliver = 9\n",
+            ),
+            "<inline>",
+        )
+        .expect("valid");
+        let p = c.topology[0].retry_policy();
+        assert_eq!(
+            (p.ladder.len(), p.max_deliver, p.origin),
+            (3, 9, Origin::Configured)
+        );
+    }
+
+    #[test]
+    fn handler_fields_beyond_the_example_parse() {
+        let c = parse(
+            &base(
+                "instance_mode = \"fresh\"\nlimits = { memory = \"512KiB\", max_stack = 1048576, timeout = \"250ms\" }\n\
+                 wasi = { env = [\"RUST_LOG\"], inherit_stdio = true, network = true, \
+                 preopens = [{ host = \"data\", guest = \"/data\" }, { host = \"/tmp\", guest = \"/tmp\", read_only = false }] }\n",
+            ),
+            "/etc/weir/weir.toml",
+        )
+        .expect("valid");
+        let h = &c.handler[0];
+        assert_eq!(h.instance_mode, InstanceMode::Fresh);
+        assert_eq!(h.limits.memory, ByteSize(512 * 1024));
+        assert_eq!(h.limits.max_stack, Some(ByteSize(1 << 20)));
+        assert_eq!(h.limits.timeout, Duration::from_millis(250));
+        assert_eq!(h.wasi.env, ["RUST_LOG"]);
+        assert!(h.wasi.inherit_stdio && h.wasi.network);
+        assert_eq!(h.wasi.preopens[0].host, PathBuf::from("/etc/weir/data"));
+        assert!(h.wasi.preopens[0].read_only);
+        assert_eq!(h.wasi.preopens[1].host, PathBuf::from("/tmp"));
+        assert!(!h.wasi.preopens[1].read_only);
+        // component paths are resolved against the config file's directory
+        assert_eq!(h.component, PathBuf::from("/etc/weir/h.wasm"));
+    }
+
+    #[test]
+    fn load_reads_a_file_and_names_it_in_errors() {
+        let dir = std::env::temp_dir().join(format!("weir-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tempdir");
+        let path = dir.join("weir.toml");
+        std::fs::write(&path, base("")).expect("write");
+        let c = load(&path).expect("loads");
+        assert_eq!(c.handler[0].component, dir.join("h.wasm"));
+        assert_eq!(c.origin, path.display().to_string());
+        let missing = dir.join("missing.toml");
+        let err = load(&missing).expect_err("missing file").to_string();
+        assert!(
+            err.contains("missing.toml") && err.contains("cannot read"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn byte_sizes() {
+        for (text, bytes) in [
+            ("64MiB", 64u64 << 20),
+            ("512KiB", 512 << 10),
+            ("1GiB", 1 << 30),
+            ("1 GiB", 1 << 30),
+            ("4096", 4096),
+            ("7B", 7),
+            ("2TiB", 2 << 40),
+        ] {
+            assert_eq!(ByteSize::parse(text), Ok(ByteSize(bytes)), "{text}");
+        }
+        for bad in [
+            "",
+            "MiB",
+            "64MB",
+            "64 mib",
+            "-1",
+            "1.5GiB",
+            "99999999999999TiB",
+        ] {
+            assert!(ByteSize::parse(bad).is_err(), "{bad}");
+        }
+        assert!(ByteSize::parse("64MB").unwrap_err().contains("KiB, MiB"));
+        assert_eq!(ByteSize(64 << 20).to_string(), "64MiB");
+        assert_eq!(ByteSize(1000).to_string(), "1000B");
+    }
+
+    // ---- syntax-level errors: the toml crate's line/column, prefixed with the file ----
+
+    #[test]
+    fn unknown_key_is_named_with_its_line_and_table() {
+        let e = syntax(&base("colour = \"blue\"\n"));
+        assert!(e.starts_with("conf/weir.toml: in handler[0]: "), "{e}");
+        assert!(e.contains("colour") && e.contains("line 10"), "{e}");
+        let e = syntax("[node]\nnmae = \"x\"\n");
+        assert!(
+            e.contains("in node:") && e.contains("nmae") && e.contains("`admin`"),
+            "{e}"
+        );
+        let e = syntax("[[topology]]\nname = \"a\"\nslots = 1\n[topology.retry]\nladdder = []\n");
+        assert!(
+            e.contains("in topology[0].retry:") && e.contains("laddder"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_size_names_the_value_and_accepted_units() {
+        let text = base("").replace("[[handler]]", "[[handler]]\nname = \"x\"\ncomponent = \"x\"\ntopology = \"orders\"\nmessage_types = [\"b\"]\n\n[[handler]]") + "limits = { memory = \"64 megs\" }\n";
+        let e = syntax(&text);
+        assert!(e.contains("in handler[1]:"), "{e}");
+        assert!(
+            e.contains("\"64 megs\"") && e.contains("MiB") && e.contains("memory"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_duration_names_the_value() {
+        let e = syntax("[cluster]\nlease = \"5 parsecs\"\n");
+        assert!(
+            e.contains("in cluster:") && e.contains("5 parsecs") && e.contains("\"5s\""),
+            "{e}"
+        );
+        let e = syntax(
+            "[[topology]]\nname = \"a\"\nslots = 1\nretry = { ladder = [\"1s\", \"soon\"] }\n",
+        );
+        assert!(e.contains("ladder[1]") && e.contains("soon"), "{e}");
+    }
+
+    #[test]
+    fn unknown_enum_values_list_the_accepted_ones() {
+        let e = syntax("[transport]\nkind = \"kafka\"\n");
+        assert!(
+            e.contains("kafka")
+                && e.contains("memory")
+                && e.contains("rabbitmq")
+                && e.contains("nats"),
+            "{e}"
+        );
+        let e = syntax("[cluster]\nmode = \"raft\"\n");
+        assert!(e.contains("rabbitmq-sac") && e.contains("postgres"), "{e}");
+        let e = syntax(&base("instance_mode = \"pooled\"\n"));
+        assert!(e.contains("reuse") && e.contains("fresh"), "{e}");
+    }
+
+    #[test]
+    fn non_string_handler_config_value_names_the_key() {
+        let e = syntax(&base("config = { currency = \"EUR\", retries = 3 }\n"));
+        assert!(
+            e.contains("config.retries") && e.contains("retries = \"3\""),
+            "{e}"
+        );
+        assert!(e.contains("in handler[0]"), "{e}");
+    }
+
+    #[test]
+    fn invalid_toml_keeps_line_and_column() {
+        let e = syntax("[node\nname = 1\n");
+        assert!(
+            e.starts_with("conf/weir.toml: ") && e.contains("line 1"),
+            "{e}"
+        );
+    }
+
+    // ---- validation errors: each names its key ----
+
+    #[test]
+    fn zero_slots() {
+        assert_one(
+            &base("").replace("slots = 4", "slots = 0"),
+            "topology[0].slots",
+            "accepted: 1 or more",
+        );
+    }
+
+    #[test]
+    fn topology_name_not_fit_for_broker_objects() {
+        let text = base("").replace("\"orders\"", "\"Orders.EU\"");
+        assert_one(&text, "topology[0].name", "[a-z0-9_-]+");
+    }
+
+    #[test]
+    fn duplicate_topology_name() {
+        let text = format!("[[topology]]\nname = \"orders\"\nslots = 1\n{}", base(""));
+        let issues = invalid(&text);
+        assert_eq!(issues.len(), 1, "{issues:#?}");
+        assert_eq!(issues[0].key, "topology[1].name");
+        assert!(issues[0].message.contains("topology[0]"));
+    }
+
+    #[test]
+    fn zero_concurrency() {
+        assert_one(
+            &base("").replace("slots = 4", "slots = 4\nmax_concurrent_groups = 0"),
+            "topology[0].max_concurrent_groups",
+            "1 or more",
+        );
+        assert_one(
+            &base("").replace("slots = 4", "slots = 4\nmax_unordered = 0"),
+            "topology[0].max_unordered",
+            "1 or more",
+        );
+    }
+
+    #[test]
+    fn duplicate_handler_name() {
+        let text = base("")
+            + "\n[[handler]]\nname = \"h\"\ncomponent = \"h2.wasm\"\ntopology = \"orders\"\nmessage_types = [\"b\"]\n";
+        assert_one(&text, "handler[1].name", "handler[0]");
+    }
+
+    #[test]
+    fn bad_handler_name() {
+        assert_one(
+            &base("").replace("name = \"h\"", "name = \"my handler\""),
+            "handler[0].name",
+            "letters, digits",
+        );
+    }
+
+    #[test]
+    fn handler_topology_must_exist() {
+        assert_one(
+            &base("").replace("topology = \"orders\"", "topology = \"order\""),
+            "handler[0].topology",
+            "[\"orders\"]",
+        );
+    }
+
+    #[test]
+    fn handler_must_bind_a_message_type() {
+        assert_one(
+            &base("").replace("message_types = [\"a\"]", "message_types = []"),
+            "handler[0].message_types",
+            "at least one",
+        );
+        assert_one(
+            &base("").replace("[\"a\"]", "[\"a\", \"\"]"),
+            "handler[0].message_types[1]",
+            "is empty",
+        );
+        // batch-only handlers are fine
+        let text =
+            base("batch = { message_types = [\"b\"] }\n").replace("message_types = [\"a\"]\n", "");
+        assert!(parse(&text, "<inline>").is_ok());
+    }
+
+    #[test]
+    fn a_message_type_bound_twice() {
+        let second = "\n[[handler]]\nname = \"h2\"\ncomponent = \"h2.wasm\"\ntopology = \"orders\"\nmessage_types = [\"z\", \"a\"]\n";
+        assert_one(
+            &(base("") + second),
+            "handler[1].message_types[1]",
+            "already bound by handler[0].message_types[0]",
+        );
+        // a batch type clashing with a single type of the same handler
+        assert_one(
+            &base("batch = { message_types = [\"a\"] }\n"),
+            "handler[0].batch.message_types[0]",
+            "already bound",
+        );
+        // another tenant is a different binding
+        assert!(parse(&(base("") + second + "tenant = \"acme\"\n"), "<inline>").is_ok());
+        // the same tenant twice is not
+        let text = base("tenant = \"acme\"\n") + second + "tenant = \"acme\"\n";
+        assert_one(&text, "handler[1].message_types[1]", "tenant \"acme\"");
+    }
+
+    #[test]
+    fn empty_tenant() {
+        assert_one(&base("tenant = \"\"\n"), "handler[0].tenant", "is empty");
+    }
+
+    #[test]
+    fn batch_size_zero_and_empty_batch_types() {
+        assert_one(
+            &base("batch = { message_types = [\"b\"], size = 0 }\n"),
+            "handler[0].batch.size",
+            "1 or more",
+        );
+        assert_one(
+            &base("batch = { message_types = [] }\n"),
+            "handler[0].batch.message_types",
+            "is empty",
+        );
+    }
+
+    #[test]
+    fn zero_limits() {
+        assert_one(
+            &base("limits = { memory = 0 }\n"),
+            "handler[0].limits.memory",
+            "64MiB",
+        );
+        assert_one(
+            &base("limits = { timeout = \"0s\" }\n"),
+            "handler[0].limits.timeout",
+            "positive",
+        );
+        assert_one(
+            &base("limits = { instances = 0 }\n"),
+            "handler[0].limits.instances",
+            "1 or more",
+        );
+        assert_one(
+            &base("limits = { max_stack = \"0KiB\" }\n"),
+            "handler[0].limits.max_stack",
+            "512KiB",
+        );
+    }
+
+    #[test]
+    fn wasi_grants_are_checked() {
+        assert_one(
+            &base("wasi = { env = [\"A=1\"] }\n"),
+            "handler[0].wasi.env[0]",
+            "no '='",
+        );
+        assert_one(
+            &base("wasi = { preopens = [{ host = \"d\", guest = \"\" }] }\n"),
+            "handler[0].wasi.preopens[0].guest",
+            "/data",
+        );
+    }
+
+    #[test]
+    fn static_mode_needs_owned_slots_that_exist_in_every_topology() {
+        assert_one(
+            &base("").replace("[[topology]]", "[cluster]\nmode = \"static\"\n[[topology]]"),
+            "cluster.owned_slots",
+            "owned_slots = [0, 1]",
+        );
+        let two = "[cluster]\nmode = \"static\"\nowned_slots = [0, 3]\n[[topology]]\nname = \"small\"\nslots = 2\n";
+        let issues = invalid(&(two.to_string() + &base("")));
+        assert_eq!(issues.len(), 1, "{issues:#?}");
+        assert_eq!(issues[0].key, "cluster.owned_slots[1]");
+        assert!(
+            issues[0].message.contains("\"small\"") && issues[0].message.contains("0 to 1"),
+            "{}",
+            issues[0]
+        );
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[cluster]\nmode = \"static\"\nowned_slots = [1, 1]\n[[topology]]",
+            ),
+            "cluster.owned_slots[1]",
+            "twice",
+        );
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[cluster]\nmode = \"static\"\nowned_slots = []\n[[topology]]",
+            ),
+            "cluster.owned_slots",
+            "at least one",
+        );
+        assert!(
+            parse(
+                &base("").replace(
+                    "[[topology]]",
+                    "[cluster]\nmode = \"static\"\nowned_slots = [0, 3]\n[[topology]]"
+                ),
+                "<inline>"
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn owned_slots_outside_static_mode() {
+        assert_one(
+            &base("").replace("[[topology]]", "[cluster]\nowned_slots = [0]\n[[topology]]"),
+            "cluster.owned_slots",
+            "only read in static mode",
+        );
+    }
+
+    #[test]
+    fn postgres_mode_needs_database_url() {
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[cluster]\nmode = \"postgres\"\n[[topology]]",
+            ),
+            "cluster.database_url",
+            "postgres://",
+        );
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[cluster]\ndatabase_url = \"postgres://x\"\n[[topology]]",
+            ),
+            "cluster.database_url",
+            "only read in postgres mode",
+        );
+    }
+
+    #[test]
+    fn brokers_need_a_url() {
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[transport]\nkind = \"rabbitmq\"\n[[topology]]",
+            ),
+            "transport.url",
+            "amqp://",
+        );
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[transport]\nkind = \"rabbitmq\"\nurl = \"http://x\"\n[[topology]]",
+            ),
+            "transport.url",
+            "amqps://",
+        );
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[transport]\nkind = \"nats\"\nurl = \" \"\n[[topology]]",
+            ),
+            "transport.url",
+            "nats://",
+        );
+        assert!(
+            parse(
+                &base("").replace(
+                    "[[topology]]",
+                    "[transport]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n[[topology]]"
+                ),
+                "<inline>"
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn memory_url_is_only_a_warning() {
+        let c = parse(
+            &base("").replace("[[topology]]", "[transport]\nurl = \"x\"\n[[topology]]"),
+            "<inline>",
+        )
+        .expect("valid");
+        let w = c.validate().expect("valid");
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].key, "transport.url");
+    }
+
+    #[test]
+    fn zero_prefetch_and_zero_lease() {
+        assert_one(
+            &base("").replace("[[topology]]", "[transport]\nprefetch = 0\n[[topology]]"),
+            "transport.prefetch",
+            "1 or more",
+        );
+        assert_one(
+            &base("").replace("[[topology]]", "[cluster]\nlease = \"0s\"\n[[topology]]"),
+            "cluster.lease",
+            "positive",
+        );
+    }
+
+    #[test]
+    fn rabbitmq_sac_needs_rabbitmq() {
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[cluster]\nmode = \"rabbitmq-sac\"\n[[topology]]",
+            ),
+            "cluster.mode",
+            "transport.kind = \"rabbitmq\"",
+        );
+    }
+
+    #[test]
+    fn empty_node_name() {
+        assert_one(
+            &format!("[node]\nname = \"\"\n{}", base("")),
+            "node.name",
+            "non-empty",
+        );
+    }
+
+    #[test]
+    fn retry_ladder_longer_than_max_deliver() {
+        let text = base("").replace(
+            "slots = 4",
+            "slots = 4\nretry = { ladder = [\"1s\", \"5s\", \"30s\"], max_deliver = 2 }",
+        );
+        assert_one(&text, "topology[0].retry.ladder", "at most 2 rungs");
+        let equal = base("").replace(
+            "slots = 4",
+            "slots = 4\nretry = { ladder = [\"1s\", \"5s\"], max_deliver = 2 }",
+        );
+        assert!(parse(&equal, "<inline>").is_ok());
+    }
+
+    #[test]
+    fn retry_zero_rung_and_time_bound() {
+        let text = base("").replace(
+            "slots = 4",
+            "slots = 4\n[topology.retry]\nladder = [\"1s\", \"0s\"]\n",
+        );
+        assert_one(&text, "topology[0].retry.ladder[1]", "positive");
+        let text = base("").replace(
+            "slots = 4",
+            "slots = 4\n[topology.retry]\nmax_time_to_dead_letter = \"1m\"\n",
+        );
+        assert_one(
+            &text,
+            "topology[0].retry.max_time_to_dead_letter",
+            "max_time_to_dead_letter >= 1m 6s",
+        );
+        // on nats the capture reserve moves the handler's last try to 36s, inside a 1m bound
+        let nats = text.replace(
+            "[[topology]]",
+            "[transport]\nkind = \"nats\"\nurl = \"nats://n\"\n[[topology]]",
+        );
+        assert!(parse(&nats, "<inline>").is_ok());
+    }
+
+    #[test]
+    fn unlimited_retry_is_accepted_with_warnings() {
+        let text = base("").replace(
+            "slots = 4",
+            "slots = 4\n[topology.retry]\nmax_deliver = 0\nmax_time_to_dead_letter = \"1s\"\n",
+        );
+        let c = parse(&text, "<inline>").expect("unlimited is not rejected");
+        let w = c.validate().expect("valid");
+        assert_eq!(
+            w.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(),
+            ["topology[0].retry.max_time_to_dead_letter"]
+        );
+    }
+
+    #[test]
+    fn no_retry_section_is_never_rejected() {
+        for transport in [
+            "",
+            "[transport]\nkind = \"nats\"\nurl = \"nats://n\"\n",
+            "[transport]\nkind = \"rabbitmq\"\nurl = \"amqp://r\"\n",
+        ] {
+            let text = base("").replace("[[topology]]", &format!("{transport}[[topology]]"));
+            let c = parse(&text, "<inline>").expect("valid");
+            assert_eq!(c.validate().expect("valid"), Vec::<Violation>::new());
+            assert_eq!(c.topology[0].retry_policy().origin, Origin::Default);
+        }
+    }
+
+    #[test]
+    fn several_problems_are_reported_together() {
+        let text = base("limits = { instances = 0 }\n").replace("slots = 4", "slots = 0");
+        let issues = invalid(&text);
+        let keys: Vec<&str> = issues.iter().map(|v| v.key.as_str()).collect();
+        assert_eq!(keys, ["topology[0].slots", "handler[0].limits.instances"]);
+        let rendered = parse(&text, "weir.toml")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(rendered.lines().count(), 3, "{rendered}");
+    }
+
+    #[test]
+    fn section_lookup_follows_arrays_of_tables() {
+        let text = "[node]\nname='a'\n[[topology]]\nname='x'\n[[topology]]\n[topology.retry]\nx=1\n[[handler]]\n[[handler]]\ny=2\n";
+        let at = |needle: &str| section_at(text, text.find(needle).expect("needle"));
+        assert_eq!(at("name='a'").as_deref(), Some("node"));
+        assert_eq!(at("name='x'").as_deref(), Some("topology[0]"));
+        assert_eq!(at("x=1").as_deref(), Some("topology[1].retry"));
+        assert_eq!(at("y=2").as_deref(), Some("handler[1]"));
+        assert_eq!(section_at("a = 1\n", 0), None);
+    }
+}

@@ -1,0 +1,269 @@
+//! The transport-neutral message: the WIT `message` record plus the header
+//! mapping every broker uses. Brokers carry a [`Wire`] form (headers + body);
+//! this module is the one place that turns one into the other.
+
+use crate::runtime::bindings::weir::handler::types::Message;
+
+/// A message as the host handles it. It is the WIT record itself, so a call
+/// into a guest lowers it by reference without copying it first.
+pub type Envelope = Message;
+
+/// Header names of the contract (the same on every broker).
+pub mod header {
+    /// Unique message id, stable across redeliveries.
+    pub const MESSAGE_ID: &str = "weir-message-id";
+    /// Routing type.
+    pub const MESSAGE_TYPE: &str = "weir-message-type";
+    /// Ordering key; empty is the same as absent.
+    pub const GROUP_ID: &str = "weir-group-id";
+    /// Owning tenant.
+    pub const TENANT_ID: &str = "weir-tenant-id";
+    /// Delivery attempt, 1 on the first delivery.
+    pub const ATTEMPT: &str = "weir-attempt";
+    /// Why a message was dead-lettered.
+    pub const DEAD_LETTER_REASON: &str = "weir-dead-letter-reason";
+    /// The last error text.
+    pub const ERROR: &str = "weir-error";
+    /// Queue or subject the message came from.
+    pub const SOURCE: &str = "weir-source";
+    /// Handler that failed it.
+    pub const HANDLER: &str = "weir-handler";
+    /// Component digest of that handler.
+    pub const HANDLER_VERSION: &str = "weir-handler-version";
+    /// RFC 3339 time of the capture.
+    pub const FAILED_AT: &str = "weir-failed-at";
+
+    /// Headers derived from the envelope's own fields; written from the
+    /// fields, never copied from `headers`, so they cannot disagree.
+    pub const DERIVED: [&str; 5] = [MESSAGE_ID, MESSAGE_TYPE, GROUP_ID, TENANT_ID, ATTEMPT];
+}
+
+/// A message as a broker carries it: headers and an opaque body.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Wire {
+    /// Every header, in order.
+    pub headers: Vec<(String, String)>,
+    /// The payload, untouched.
+    pub body: Vec<u8>,
+}
+
+impl Wire {
+    /// The first header called `name`.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// Set `name` to `value`, replacing any earlier value.
+    pub fn set_header(&mut self, name: &str, value: impl Into<String>) {
+        let value = value.into();
+        match self.headers.iter_mut().find(|(k, _)| k == name) {
+            Some(slot) => slot.1 = value,
+            None => self.headers.push((name.to_owned(), value)),
+        }
+    }
+}
+
+/// Why a [`Wire`] message is not a valid [`Envelope`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// A required header is absent.
+    #[error("missing header `{0}`")]
+    Missing(&'static str),
+    /// A header has a value that cannot be parsed.
+    #[error("header `{name}` has invalid value {value:?}: {expected}")]
+    Invalid {
+        /// Header name.
+        name: &'static str,
+        /// What was found.
+        value: String,
+        /// What would be accepted.
+        expected: &'static str,
+    },
+}
+
+/// Treat an empty id like an absent one (the contract says they are the same).
+fn non_empty(value: Option<&str>) -> Option<String> {
+    value.filter(|v| !v.is_empty()).map(str::to_owned)
+}
+
+/// Decode a wire message. `fallback_id` names the message when the publisher
+/// set no `weir-message-id` (the broker's own id or sequence);
+/// `attempt_override` is the broker's delivery count where the broker owns it
+/// (JetStream), otherwise the `weir-attempt` header is used (default 1).
+pub fn decode(
+    wire: Wire,
+    fallback_id: impl FnOnce() -> String,
+    attempt_override: Option<u32>,
+) -> Result<Envelope, (Wire, DecodeError)> {
+    let message_type = match non_empty(wire.header(header::MESSAGE_TYPE)) {
+        Some(t) => t,
+        None => return Err((wire, DecodeError::Missing(header::MESSAGE_TYPE))),
+    };
+    let attempt = match (attempt_override, wire.header(header::ATTEMPT)) {
+        (Some(a), _) => a,
+        (None, None) => 1,
+        (None, Some(raw)) => match raw.parse::<u32>() {
+            Ok(a) if a >= 1 => a,
+            _ => {
+                let value = raw.to_owned();
+                return Err((
+                    wire,
+                    DecodeError::Invalid {
+                        name: header::ATTEMPT,
+                        value,
+                        expected: "a whole number >= 1",
+                    },
+                ));
+            }
+        },
+    };
+    let id = non_empty(wire.header(header::MESSAGE_ID)).unwrap_or_else(fallback_id);
+    let group_id = non_empty(wire.header(header::GROUP_ID));
+    let tenant_id = non_empty(wire.header(header::TENANT_ID));
+    Ok(Envelope {
+        id,
+        message_type,
+        group_id,
+        tenant_id,
+        headers: wire.headers,
+        payload: wire.body,
+        attempt,
+    })
+}
+
+/// Encode an envelope for a broker: the derived `weir-*` headers come from
+/// the fields; every other header is kept as it is.
+pub fn encode(env: &Envelope) -> Wire {
+    let mut headers = Vec::with_capacity(env.headers.len() + 5);
+    headers.push((header::MESSAGE_ID.to_owned(), env.id.clone()));
+    headers.push((header::MESSAGE_TYPE.to_owned(), env.message_type.clone()));
+    if let Some(g) = &env.group_id {
+        headers.push((header::GROUP_ID.to_owned(), g.clone()));
+    }
+    if let Some(t) = &env.tenant_id {
+        headers.push((header::TENANT_ID.to_owned(), t.clone()));
+    }
+    headers.push((header::ATTEMPT.to_owned(), env.attempt.to_string()));
+    headers.extend(
+        env.headers
+            .iter()
+            .filter(|(k, _)| !header::DERIVED.contains(&k.as_str()))
+            .cloned(),
+    );
+    Wire { headers, body: env.payload.clone() }
+}
+
+/// A fresh envelope for a new message (attempt 1).
+pub fn new_message(
+    id: String,
+    message_type: impl Into<String>,
+    group_id: Option<String>,
+    tenant_id: Option<String>,
+    headers: Vec<(String, String)>,
+    payload: Vec<u8>,
+) -> Envelope {
+    Envelope {
+        id,
+        message_type: message_type.into(),
+        group_id: group_id.filter(|g| !g.is_empty()),
+        tenant_id: tenant_id.filter(|t| !t.is_empty()),
+        headers,
+        payload,
+        attempt: 1,
+    }
+}
+
+/// The id of the `index`-th message a handler published while handling
+/// `parent`: deterministic, so a retried call republishes the same ids and
+/// consumers can deduplicate.
+pub fn cascade_id(parent: &str, index: usize) -> String {
+    let name = format!("{parent}\u{0}{index}");
+    uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, name.as_bytes()).to_string()
+}
+
+/// A new random message id (time-ordered UUID v7).
+pub fn fresh_id() -> String {
+    uuid::Uuid::now_v7().to_string()
+}
+
+impl Envelope {
+    /// The group id, `None` when absent or empty.
+    pub fn group(&self) -> Option<&str> {
+        self.group_id.as_deref().filter(|g| !g.is_empty())
+    }
+
+    /// The first header called `name`.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(h: &[(&str, &str)]) -> Wire {
+        Wire {
+            headers: h.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            body: b"{}".to_vec(),
+        }
+    }
+
+    #[test]
+    fn round_trip_keeps_fields_and_user_headers() {
+        let env = new_message(
+            "m1".into(),
+            "order.placed",
+            Some("g".into()),
+            Some("acme".into()),
+            vec![("x-trace".into(), "abc".into())],
+            b"hi".to_vec(),
+        );
+        let back = decode(encode(&env), || "unused".into(), None).map_err(|e| e.1);
+        let back = back.expect("decodes");
+        assert_eq!(back.id, "m1");
+        assert_eq!(back.group_id.as_deref(), Some("g"));
+        assert_eq!(back.tenant_id.as_deref(), Some("acme"));
+        assert_eq!(back.header("x-trace"), Some("abc"));
+        assert_eq!(back.attempt, 1);
+    }
+
+    #[test]
+    fn empty_group_is_none_and_missing_id_uses_fallback() {
+        let env = decode(
+            wire(&[(header::MESSAGE_TYPE, "t"), (header::GROUP_ID, "")]),
+            || "broker-7".into(),
+            None,
+        )
+        .map_err(|e| e.1)
+        .expect("decodes");
+        assert_eq!(env.group_id, None);
+        assert_eq!(env.id, "broker-7");
+    }
+
+    #[test]
+    fn missing_type_and_bad_attempt_are_named() {
+        let err = decode(wire(&[]), || "x".into(), None).err().map(|e| e.1);
+        assert_eq!(err, Some(DecodeError::Missing(header::MESSAGE_TYPE)));
+        let err = decode(wire(&[(header::MESSAGE_TYPE, "t"), (header::ATTEMPT, "zero")]), || "x".into(), None)
+            .err()
+            .map(|e| e.1.to_string());
+        assert!(err.is_some_and(|e| e.contains("weir-attempt") && e.contains("zero")));
+    }
+
+    #[test]
+    fn derived_headers_cannot_disagree_with_fields() {
+        let mut env = new_message("m".into(), "t", None, None, vec![], vec![]);
+        env.headers.push((header::ATTEMPT.into(), "9".into()));
+        env.attempt = 3;
+        let w = encode(&env);
+        assert_eq!(w.header(header::ATTEMPT), Some("3"));
+        assert_eq!(w.headers.iter().filter(|(k, _)| k == header::ATTEMPT).count(), 1);
+    }
+
+    #[test]
+    fn cascade_ids_are_deterministic_and_distinct() {
+        assert_eq!(cascade_id("p", 0), cascade_id("p", 0));
+        assert_ne!(cascade_id("p", 0), cascade_id("p", 1));
+    }
+}

@@ -1,0 +1,458 @@
+//! Per-slot execution: one [`SlotRunner`] consumes one slot and runs the
+//! messages of each group one at a time, in arrival order (a *lane*), with at
+//! most `max_concurrent_groups` lanes running at once. Messages without a
+//! group are unordered and run with bounded concurrency. Stopping a runner
+//! (shutdown, handoff) stops taking deliveries, returns the ones not yet
+//! started, and waits for every call in flight: the drain.
+//!
+//! Lanes never queue into each other: a lane's queue holds only what the
+//! broker delivered (bounded by prefetch), and the worker pool's queue is
+//! unbounded, so no cycle of bounded buffers can form.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::watch;
+
+use crate::envelope::{self, Envelope};
+use crate::partition;
+use crate::retry::capture::{self, Captured, Outcome, Provenance, Reason};
+use crate::retry::schedule::{Schedule, Step};
+use crate::router::Router;
+use crate::runtime::bindings::weir::handler::types::Failure;
+use crate::runtime::pool::WorkerPool;
+use crate::runtime::{CallOutcome, FaultKind, HandlerVersion};
+use crate::stats::Stats;
+use crate::transport::{Acker, Delivery, Disposition, Transport};
+
+/// What a node shares between its slot runners.
+pub struct Pipeline {
+    /// The broker.
+    pub transport: Arc<dyn Transport>,
+    /// Wasm worker threads.
+    pub pool: Arc<WorkerPool>,
+    /// Bindings and handler versions.
+    pub router: Arc<Router>,
+    /// Outcome counters.
+    pub stats: Arc<Stats>,
+    /// Told the outcome of every settled message (ledgers, tests).
+    pub observer: Option<Arc<dyn SettleObserver>>,
+}
+
+/// Told how each message was settled.
+pub trait SettleObserver: Send + Sync {
+    /// `id` was settled with `outcome`.
+    fn settled(&self, id: &str, outcome: Outcome);
+}
+
+impl Pipeline {
+    fn record(&self, id: &str, outcome: Outcome) {
+        self.stats.record(outcome);
+        if let Some(o) = &self.observer {
+            o.settled(id, outcome);
+        }
+    }
+}
+
+/// How one slot is run.
+#[derive(Debug, Clone)]
+pub struct SlotSettings {
+    /// Topology name.
+    pub topology: Arc<str>,
+    /// The slot this runner consumes.
+    pub slot: u32,
+    /// Slots in the topology (for cascades).
+    pub slots: u32,
+    /// Lanes (groups) running at once in this slot.
+    pub max_concurrent_groups: usize,
+    /// Jobs of unordered messages running at once in this slot.
+    pub max_unordered: usize,
+    /// Unsettled deliveries the broker may hand this runner.
+    pub prefetch: u32,
+    /// Messages of one lane handed to a worker in one job (they still run
+    /// one after another).
+    pub max_run: usize,
+    /// The retry ladder as this broker serves it.
+    pub schedule: Schedule,
+    /// Negative control for tests: ignore groups, run every message as if
+    /// unordered. Breaks guarantee 1 on purpose; never set it in production.
+    #[doc(hidden)]
+    pub bypass_lanes: bool,
+}
+
+/// Every kind of work a runner can have in flight. The drain must wait for
+/// each; `tests` enumerate [`LaneKind::ALL`] so a new kind cannot skip it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneKind {
+    /// A group's lane: its messages one at a time.
+    Grouped,
+    /// Messages without a group id: unordered, bounded concurrency.
+    Unordered,
+    /// A capture with no handler call (undecodable, no handler).
+    Capture,
+}
+
+impl LaneKind {
+    /// All kinds.
+    pub const ALL: [LaneKind; 3] = [LaneKind::Grouped, LaneKind::Unordered, LaneKind::Capture];
+}
+
+enum Done {
+    Group(String),
+    Unordered,
+    Capture,
+}
+
+impl Done {
+    fn kind(&self) -> LaneKind {
+        match self {
+            Done::Group(_) => LaneKind::Grouped,
+            Done::Unordered => LaneKind::Unordered,
+            Done::Capture => LaneKind::Capture,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Lane {
+    queue: VecDeque<Delivery>,
+    running: bool,
+    ready: bool,
+}
+
+/// What a runner did, returned when it stops.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RunnerReport {
+    /// Deliveries received.
+    pub received: u64,
+    /// Deliveries returned unstarted at the drain.
+    pub released: u64,
+    /// In-flight jobs the drain waited for, by kind.
+    pub drained: Vec<LaneKind>,
+}
+
+/// Consumes one slot. See the module docs.
+pub struct SlotRunner {
+    p: Arc<Pipeline>,
+    s: Arc<SlotSettings>,
+    cancel: Arc<AtomicBool>,
+    lanes: HashMap<String, Lane>,
+    ready: VecDeque<String>,
+    running_groups: usize,
+    unordered: VecDeque<Delivery>,
+    running_unordered: usize,
+    inflight: FuturesUnordered<BoxFuture<'static, Done>>,
+    report: RunnerReport,
+}
+
+impl SlotRunner {
+    /// A runner for one slot; nothing happens until [`SlotRunner::run`].
+    pub fn new(p: Arc<Pipeline>, s: SlotSettings) -> Self {
+        Self {
+            p,
+            s: Arc::new(s),
+            cancel: Arc::new(AtomicBool::new(false)),
+            lanes: HashMap::new(),
+            ready: VecDeque::new(),
+            running_groups: 0,
+            unordered: VecDeque::new(),
+            running_unordered: 0,
+            inflight: FuturesUnordered::new(),
+            report: RunnerReport::default(),
+        }
+    }
+
+    /// Set to interrupt this slot's running calls (ownership lost).
+    pub fn cancel_handle(&self) -> Arc<AtomicBool> {
+        self.cancel.clone()
+    }
+
+    /// Consume until `stop` turns true (or its sender is dropped), then drain.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) -> anyhow::Result<RunnerReport> {
+        let s = self.s.clone();
+        let mut sub = self
+            .p
+            .transport
+            .subscribe(&s.topology, s.slot, s.prefetch)
+            .await
+            .map_err(|e| anyhow::anyhow!("subscribing to slot {} of topology `{}`: {e}", s.slot, s.topology))?;
+        tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner started");
+        if !*stop.borrow() {
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
+                    changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
+                    next = sub.next() => match next {
+                        Some(Ok(d)) => {
+                            self.report.received += 1;
+                            self.accept(d);
+                        }
+                        Some(Err(e)) => {
+                            tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error");
+                            break;
+                        }
+                        None => break,
+                    },
+                }
+                self.schedule();
+            }
+        }
+        self.drain().await;
+        drop(sub);
+        tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner drained");
+        Ok(self.report)
+    }
+
+    /// Return every unstarted delivery, then wait for every job in flight.
+    async fn drain(&mut self) {
+        let mut pending: Vec<Delivery> = self.unordered.drain(..).collect();
+        for lane in self.lanes.values_mut() {
+            pending.extend(lane.queue.drain(..));
+        }
+        self.ready.clear();
+        self.report.released += pending.len() as u64;
+        let stats = self.p.stats.clone();
+        futures::future::join_all(pending.into_iter().map(|d| {
+            let stats = stats.clone();
+            async move {
+                if let Err(e) = d.acker.settle(Disposition::Release).await {
+                    tracing::warn!(tag = d.tag, error = %e, "release at drain failed; the broker redelivers it");
+                }
+                stats.record(Outcome::Released);
+            }
+        }))
+        .await;
+        while let Some(done) = self.inflight.next().await {
+            self.report.drained.push(done.kind());
+            self.finish(done);
+        }
+    }
+
+    fn accept(&mut self, d: Delivery) {
+        let group = match &d.message {
+            Err(_) => {
+                let (p, s) = (self.p.clone(), self.s.clone());
+                self.inflight.push(Box::pin(async move {
+                    capture_undecodable(&p, &s, d).await;
+                    Done::Capture
+                }));
+                return;
+            }
+            Ok(env) => env.group().map(str::to_owned),
+        };
+        match group {
+            Some(g) if !self.s.bypass_lanes => {
+                let lane = self.lanes.entry(g.clone()).or_default();
+                lane.queue.push_back(d);
+                if !lane.running && !lane.ready {
+                    lane.ready = true;
+                    self.ready.push_back(g);
+                }
+            }
+            _ => self.unordered.push_back(d),
+        }
+    }
+
+    fn finish(&mut self, done: Done) {
+        match done {
+            Done::Group(g) => {
+                self.running_groups -= 1;
+                if let Some(lane) = self.lanes.get_mut(&g) {
+                    lane.running = false;
+                    if lane.queue.is_empty() {
+                        self.lanes.remove(&g);
+                    } else if !lane.ready {
+                        lane.ready = true;
+                        self.ready.push_back(g);
+                    }
+                }
+            }
+            Done::Unordered => self.running_unordered -= 1,
+            Done::Capture => {}
+        }
+    }
+
+    fn schedule(&mut self) {
+        while self.running_groups < self.s.max_concurrent_groups {
+            let Some(g) = self.ready.pop_front() else { break };
+            let Some(lane) = self.lanes.get_mut(&g) else { continue };
+            lane.ready = false;
+            let n = lane.queue.len().min(self.s.max_run.max(1));
+            let run: Vec<Delivery> = lane.queue.drain(..n).collect();
+            lane.running = true;
+            self.running_groups += 1;
+            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+            self.inflight.push(Box::pin(async move {
+                run_lane(p, s, c, run).await;
+                Done::Group(g)
+            }));
+        }
+        let unordered_run = if self.s.bypass_lanes { 1 } else { self.s.max_run.max(1) };
+        while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
+            let n = self.unordered.len().min(unordered_run);
+            let run: Vec<Delivery> = self.unordered.drain(..n).collect();
+            self.running_unordered += 1;
+            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+            self.inflight.push(Box::pin(async move {
+                run_lane(p, s, c, run).await;
+                Done::Unordered
+            }));
+        }
+    }
+}
+
+async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
+    let Delivery { message, source, tag, acker } = d;
+    let Err((wire, err)) = message else { return };
+    let error = err.to_string();
+    let prov = Provenance { reason: Reason::Undecodable, error: &error, source: &source, handler: None, tag: &tag };
+    let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Raw(wire), acker, &prov).await;
+    p.record(&tag, outcome);
+}
+
+struct Pending {
+    acker: Box<dyn Acker>,
+    source: String,
+    tag: String,
+    handler: Arc<HandlerVersion>,
+}
+
+/// Run one lane's messages (in order, on one worker) and settle each.
+async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
+    let mut items = Vec::with_capacity(run.len());
+    let mut pending = Vec::with_capacity(run.len());
+    for d in run {
+        let Delivery { message, source, tag, acker } = d;
+        let env = match message {
+            Ok(env) => env,
+            Err(_) => continue, // undecodable deliveries never reach a lane
+        };
+        match p.router.route(&s.topology, &env) {
+            Some(handler) => {
+                items.push((handler.clone(), env));
+                pending.push(Pending { acker, source, tag, handler });
+            }
+            None => {
+                let error = format!(
+                    "no handler for message type `{}` (tenant {}) in topology `{}`",
+                    env.message_type,
+                    env.tenant_id.as_deref().unwrap_or("none"),
+                    s.topology
+                );
+                let prov = Provenance { reason: Reason::NoHandler, error: &error, source: &source, handler: None, tag: &tag };
+                let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(&env), acker, &prov).await;
+                p.record(&env.id, outcome);
+            }
+        }
+    }
+    if items.is_empty() {
+        return;
+    }
+    let outcomes = match p.pool.run_each(items, Some(cancel)).await {
+        Ok(o) => o,
+        Err(e) => {
+            // The pool is gone (process shutting down): the deliveries are
+            // neither acked nor captured, so the broker redelivers them.
+            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
+            return;
+        }
+    };
+    let settles = outcomes.into_iter().zip(pending).map(|((env, outcome), pend)| {
+        let (p, s) = (p.clone(), s.clone());
+        async move {
+            let id = env.id.clone();
+            let o = settle(&p, &s, env, outcome, pend).await;
+            p.record(&id, o);
+        }
+    });
+    futures::future::join_all(settles).await;
+}
+
+/// Turn a call's outcome into a settled delivery.
+async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutcome, pend: Pending) -> Outcome {
+    let Pending { acker, source, tag, handler } = pend;
+    let (error, final_reason) = match outcome {
+        CallOutcome::Done { result: Ok(()), published } => {
+            match publish_cascades(p, s, published.into_iter().map(|o| o.envelope)).await {
+                Ok(()) => {
+                    if let Err(e) = acker.settle(Disposition::Ack).await {
+                        p.stats.ack_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");
+                    }
+                    return Outcome::Handled;
+                }
+                Err(e) => (format!("cascaded publish failed: {e}"), Reason::Exhausted),
+            }
+        }
+        CallOutcome::Done { result: Err(Failure::Reject(reason)), .. } => {
+            let digest = handler.digest.as_str();
+            let prov = Provenance {
+                reason: Reason::Rejected,
+                error: &reason,
+                source: &source,
+                handler: Some((handler.name(), digest)),
+                tag: &tag,
+            };
+            return capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(&env), acker, &prov).await;
+        }
+        CallOutcome::Done { result: Err(Failure::Retry(reason)), .. } => (reason, Reason::Exhausted),
+        CallOutcome::Fault(f) => {
+            p.stats.faults.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(handler = handler.name(), message = %env.id, attempt = env.attempt, fault = %f, "guest fault");
+            match f.kind {
+                FaultKind::Cancelled => {
+                    if let Err(e) = acker.settle(Disposition::Release).await {
+                        tracing::warn!(tag, error = %e, "release of a cancelled call failed; the broker redelivers it");
+                    }
+                    return Outcome::Released;
+                }
+                FaultKind::Timeout => (f.to_string(), Reason::Timeout),
+                FaultKind::Trap | FaultKind::MemoryLimit | FaultKind::Instantiate => (f.to_string(), Reason::Trap),
+            }
+        }
+    };
+    match s.schedule.next_step(env.attempt) {
+        Step::RetryAfter(delay) => {
+            let mut next = env;
+            next.attempt += 1;
+            tracing::debug!(handler = handler.name(), message = %next.id, next_attempt = next.attempt, ?delay, error, "retry scheduled");
+            match acker.settle(Disposition::Retry { envelope: next, delay }).await {
+                Ok(()) => Outcome::RetryScheduled,
+                Err(e) => {
+                    tracing::warn!(tag, error = %e, "scheduling a retry failed; the broker redelivers the original");
+                    Outcome::Requeued
+                }
+            }
+        }
+        Step::Exhausted => {
+            let digest = handler.digest.as_str();
+            let prov = Provenance {
+                reason: final_reason,
+                error: &error,
+                source: &source,
+                handler: Some((handler.name(), digest)),
+                tag: &tag,
+            };
+            capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(&env), acker, &prov).await
+        }
+    }
+}
+
+/// Publish cascaded messages through the broker (never a local shortcut),
+/// each to the slot of its group, waiting for every confirm.
+async fn publish_cascades(
+    p: &Pipeline,
+    s: &SlotSettings,
+    out: impl Iterator<Item = Envelope>,
+) -> Result<(), crate::transport::TransportError> {
+    for env in out {
+        let slot = partition::slot_for(env.group(), &env.id, s.slots);
+        p.transport.publish(&s.topology, slot, envelope::encode(&env)).await?;
+        p.stats.cascaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! A ledger that watches guest calls and settlements: it detects two calls
+//! of one group running at once (claim-and-release on the group id, with a
+//! compare-and-remove so a losing claimant cannot evict the holder), counts
+//! out-of-order starts within a group, the peak number of groups running at
+//! once (cross-group parallelism), and the final outcome of every message id.
+//! Used by `weir demo` and by the invariant tests.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::thread::ThreadId;
+
+use parking_lot::Mutex;
+
+use crate::envelope::Envelope;
+use crate::lanes::SettleObserver;
+use crate::retry::capture::Outcome;
+use crate::runtime::CallObserver;
+
+/// Header the ledger reads a message's position within its group from.
+pub const SEQ_HEADER: &str = "weir-ledger-seq";
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    claims: Mutex<HashMap<String, ThreadId>>,
+    last_seq: Mutex<HashMap<String, u64>>,
+    outcomes: Mutex<HashMap<String, Outcome>>,
+    overlaps: AtomicU64,
+    out_of_order: AtomicU64,
+    calls: AtomicU64,
+    peak_groups: AtomicUsize,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Times a call started while another call of its group was running.
+    pub fn overlaps(&self) -> u64 {
+        self.overlaps.load(Ordering::Relaxed)
+    }
+
+    /// Calls that started with a lower [`SEQ_HEADER`] than an earlier call of the group.
+    pub fn out_of_order(&self) -> u64 {
+        self.out_of_order.load(Ordering::Relaxed)
+    }
+
+    /// Guest calls observed.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Most groups seen running at the same moment.
+    pub fn peak_groups(&self) -> usize {
+        self.peak_groups.load(Ordering::Relaxed)
+    }
+
+    /// Final outcome per message id (handled or dead-lettered), last one wins.
+    pub fn outcomes(&self) -> HashMap<String, Outcome> {
+        self.outcomes.lock().clone()
+    }
+
+    /// Distinct groups that had a call.
+    pub fn groups(&self) -> usize {
+        self.last_seq.lock().len()
+    }
+}
+
+impl CallObserver for Ledger {
+    fn before(&self, msg: &Envelope) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let Some(group) = msg.group() else { return };
+        {
+            let mut claims = self.claims.lock();
+            if claims.contains_key(group) {
+                self.overlaps.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(group, message = %msg.id, "ledger: two calls of one group at once");
+            } else {
+                claims.insert(group.to_owned(), std::thread::current().id());
+            }
+            self.peak_groups.fetch_max(claims.len(), Ordering::Relaxed);
+        }
+        let seq = msg.header(SEQ_HEADER).and_then(|s| s.parse::<u64>().ok());
+        let mut last = self.last_seq.lock();
+        let entry = last.entry(group.to_owned()).or_insert(0);
+        if let Some(seq) = seq {
+            if seq < *entry {
+                self.out_of_order.fetch_add(1, Ordering::Relaxed);
+            }
+            *entry = (*entry).max(seq);
+        }
+    }
+
+    fn after(&self, msg: &Envelope) {
+        let Some(group) = msg.group() else { return };
+        let mut claims = self.claims.lock();
+        if claims.get(group) == Some(&std::thread::current().id()) {
+            claims.remove(group);
+        }
+    }
+}
+
+impl SettleObserver for Ledger {
+    fn settled(&self, id: &str, outcome: Outcome) {
+        if matches!(outcome, Outcome::Handled | Outcome::DeadLettered(_) | Outcome::Uncertain) {
+            self.outcomes.lock().insert(id.to_owned(), outcome);
+        }
+    }
+}

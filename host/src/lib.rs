@@ -1,0 +1,16 @@
+//! Weir: a WebAssembly-hosted message-handler platform. This crate is the
+//! native host (`weir`): transports, slots, lanes, retries and the runtime
+//! that calls handlers compiled to WebAssembly components.
+
+pub mod config;
+pub mod demo;
+pub mod envelope;
+pub mod ledger;
+pub mod lanes;
+pub mod node;
+pub mod partition;
+pub mod retry;
+pub mod router;
+pub mod runtime;
+pub mod stats;
+pub mod transport;

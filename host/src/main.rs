@@ -1,0 +1,188 @@
+//! The `weir` command: parse, build, run. No logic beyond that.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+
+use weir::config;
+use weir::demo::{self, DemoOptions};
+use weir::node::{self, Node, NodeOptions};
+
+/// Weir: message handlers in WebAssembly, one host per node.
+#[derive(Parser)]
+#[command(name = "weir", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The embedded default: in-memory broker, bundled orders handler, a
+    /// generated stream; live progress, then a summary. Exits 0 only when
+    /// nothing was lost.
+    Demo {
+        /// Groups in the generated stream.
+        #[arg(long, default_value_t = 200)]
+        groups: u32,
+        /// Messages per group.
+        #[arg(long, default_value_t = 50)]
+        per_group: u32,
+    },
+    /// Run one node until SIGTERM/SIGINT, then drain and exit.
+    Run {
+        /// The node's TOML config.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Retry schedule tools.
+    Schedule {
+        #[command(subcommand)]
+        command: ScheduleCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ScheduleCommand {
+    /// Print each topology's retry ladder as a table with every violation;
+    /// exit 1 on a violation.
+    Check {
+        /// The node's TOML config.
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo's own output is the progress bar and the summary; its
+    // dead letters are expected, so only warnings are logged by default.
+    let default_filter = match cli.command {
+        Command::Demo { .. } => "warn",
+        _ => "warn,weir=info",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Demo { groups, per_group } => {
+            let opts = DemoOptions { groups, per_group, ..DemoOptions::default() };
+            let summary = runtime()?.block_on(demo::run(opts))?;
+            println!("{summary}");
+            if summary.ok() {
+                println!("OK: nothing lost, no intra-group overlap.");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                println!("FAILED: see the lost / overlap / dead-letter lines above.");
+                Ok(ExitCode::FAILURE)
+            }
+        }
+        Command::Run { config } => {
+            let cfg = config::load(&config)?;
+            for w in cfg.validate().unwrap_or_default() {
+                tracing::warn!(key = %w.key, "{}", w.message);
+            }
+            runtime()?.block_on(async {
+                let transport = node::transport_for(&cfg)?;
+                let node = Node::start(&cfg, transport, NodeOptions::default()).await?;
+                wait_for_signal().await?;
+                tracing::info!("signal received: draining");
+                let reports = node.shutdown().await?;
+                let released: u64 = reports.iter().map(|r| r.released).sum();
+                tracing::info!(slots = reports.len(), released, "drained; exiting");
+                Ok::<_, anyhow::Error>(())
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Schedule { command: ScheduleCommand::Check { config } } => schedule_check(&config),
+    }
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+fn schedule_check(path: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let origin = path.display().to_string();
+    // Parse without validation first so every retry violation is shown in the table view.
+    let cfg = match config::parse(&text, &origin) {
+        Ok(c) => c,
+        Err(config::ConfigError::Invalid { issues, .. }) => {
+            println!("{origin}: invalid config");
+            for v in issues {
+                println!("  error   {v}");
+            }
+            return Ok(ExitCode::FAILURE);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mut violations = 0;
+    for (i, t) in cfg.topology.iter().enumerate() {
+        let schedule = t.schedule(cfg.transport.kind, None);
+        let policy = schedule.policy();
+        println!(
+            "topology `{}` on {} (max_deliver {}):",
+            t.name,
+            cfg.transport.kind.as_str(),
+            if policy.max_deliver <= 0 { "unlimited".to_string() } else { policy.max_deliver.to_string() }
+        );
+        println!("  {:>8}  {:>12}  {:>12}  role", "delivery", "delay before", "cumulative");
+        let rows = schedule.table(u32::try_from(policy.ladder.len()).unwrap_or(8).saturating_add(3).max(6));
+        for r in &rows {
+            println!(
+                "  {:>8}  {:>12}  {:>12}  {:?}",
+                r.delivery,
+                humantime::format_duration(r.delay_before).to_string(),
+                humantime::format_duration(r.since_first).to_string(),
+                r.role
+            );
+        }
+        match schedule.time_to_dead_letter() {
+            Some(d) => println!("  time to dead-letter: {}", humantime::format_duration(d)),
+            None => println!("  time to dead-letter: never (unlimited deliveries)"),
+        }
+        let report = schedule.check(&weir::retry::schedule::CheckContext::new(config::Config::retry_key(i)));
+        for v in &report.errors {
+            println!("  error   {v}");
+        }
+        for v in &report.warnings {
+            println!("  warning {v}");
+        }
+        violations += report.errors.len();
+        println!();
+    }
+    if violations > 0 {
+        println!("{violations} violation(s)");
+        Ok(ExitCode::FAILURE)
+    } else {
+        println!("no violations");
+        Ok(ExitCode::SUCCESS)
+    }
+}

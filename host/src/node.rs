@@ -1,0 +1,241 @@
+//! One `weir` node: loads the handlers of a [`Config`], declares the
+//! topologies, decides which slots it owns, runs a [`SlotRunner`] per owned
+//! slot, and on [`Node::shutdown`] drains every runner before returning.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::config::{self, ClusterMode, Config, TransportKind};
+use crate::envelope::{self, Envelope};
+use crate::lanes::{Pipeline, RunnerReport, SettleObserver, SlotRunner, SlotSettings};
+use crate::partition;
+use crate::router::Router;
+use crate::runtime::pool::WorkerPool;
+use crate::runtime::{self, CallObserver, HandlerSettings, Runtime, RuntimeOptions};
+use crate::stats::Stats;
+use crate::transport::memory::MemoryBroker;
+use crate::transport::{TopologySpec, Transport, TransportError};
+
+/// Components shipped inside the `weir` binary, addressable in a config as
+/// `component = "bundled:NAME"`.
+pub mod bundled {
+    mod paths {
+        #![allow(dead_code)]
+        include!(concat!(env!("OUT_DIR"), "/guests.rs"));
+    }
+    /// The example orders handler.
+    pub const ORDERS: &[u8] = paths::ORDERS_BYTES;
+    /// The no-op handler (benchmarks).
+    pub const NOOP: &[u8] = paths::NOOP_BYTES;
+    /// Path of the test guest with faults on demand (tests only).
+    pub const FAULTY_PATH: &str = paths::FAULTY;
+
+    /// A bundled component by name.
+    pub fn get(name: &str) -> Option<&'static [u8]> {
+        match name {
+            "orders" => Some(ORDERS),
+            "noop" => Some(NOOP),
+            _ => None,
+        }
+    }
+}
+
+/// Knobs that are not part of the config file (tests, demo, benchmarks).
+#[derive(Clone, Default)]
+pub struct NodeOptions {
+    /// Wasm worker threads (0 = one per core).
+    pub workers: usize,
+    /// Engine options.
+    pub runtime: RuntimeOptions,
+    /// Watches every guest call.
+    pub call_observer: Option<Arc<dyn CallObserver>>,
+    /// Told every settlement.
+    pub settle_observer: Option<Arc<dyn SettleObserver>>,
+    /// Messages of one lane per worker job (0 = default 32).
+    pub max_run: usize,
+    /// Negative control for tests: ignore groups. Never in production.
+    #[doc(hidden)]
+    pub bypass_lanes: bool,
+}
+
+/// A running node.
+pub struct Node {
+    pipeline: Arc<Pipeline>,
+    stop: watch::Sender<bool>,
+    runners: JoinSet<anyhow::Result<RunnerReport>>,
+    topologies: HashMap<String, u32>,
+    owned: Vec<(String, u32)>,
+}
+
+/// Read a handler's component: a file, or `bundled:NAME`.
+fn component_bytes(h: &config::Handler, index: usize) -> anyhow::Result<Vec<u8>> {
+    let raw = h.component.to_string_lossy();
+    if let Some(name) = raw.rsplit("bundled:").next().filter(|_| raw.contains("bundled:")) {
+        return bundled::get(name).map(<[u8]>::to_vec).with_context(|| {
+            format!("handler[{index}].component = {raw:?}: no bundled component called `{name}` (accepted: bundled:orders, bundled:noop, or a file path)")
+        });
+    }
+    std::fs::read(&h.component)
+        .with_context(|| format!("handler[{index}].component: cannot read {}", h.component.display()))
+}
+
+/// The runtime settings of a configured handler.
+pub fn handler_settings(h: &config::Handler) -> HandlerSettings {
+    let mut s = HandlerSettings::new(&h.name);
+    s.memory_limit = usize::try_from(h.limits.memory.bytes()).unwrap_or(usize::MAX);
+    s.timeout = h.limits.timeout;
+    s.instance_mode = match h.instance_mode {
+        config::InstanceMode::Reuse => runtime::InstanceMode::Reuse,
+        config::InstanceMode::Fresh => runtime::InstanceMode::Fresh,
+    };
+    s.config = h.config.clone();
+    s.wasi = runtime::WasiGrants {
+        env: h.wasi.env.iter().filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v))).collect(),
+        inherit_stdio: h.wasi.inherit_stdio,
+        preopens: h
+            .wasi
+            .preopens
+            .iter()
+            .map(|p| runtime::Preopen { host: p.host.clone(), guest: p.guest.clone(), read_only: p.read_only })
+            .collect(),
+        network: h.wasi.network,
+    };
+    s
+}
+
+/// Build the transport a config asks for.
+pub fn transport_for(config: &Config) -> anyhow::Result<Arc<dyn Transport>> {
+    match config.transport.kind {
+        TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
+        other => bail!(
+            "{}: transport.kind = \"{}\" is not available in this build yet; accepted: \"memory\"",
+            config.origin,
+            other.as_str()
+        ),
+    }
+}
+
+impl Node {
+    /// Load handlers, declare topologies, and start consuming the owned slots.
+    pub async fn start(config: &Config, transport: Arc<dyn Transport>, opts: NodeOptions) -> anyhow::Result<Self> {
+        let mut rt_opts = opts.runtime.clone();
+        let largest = config.handler.iter().map(|h| h.limits.memory.bytes()).max().unwrap_or(0);
+        rt_opts.max_memory = rt_opts.max_memory.max(usize::try_from(largest).unwrap_or(usize::MAX));
+        let runtime = match opts.call_observer.clone() {
+            Some(o) => Runtime::with_observer(rt_opts, o)?,
+            None => Runtime::new(rt_opts)?,
+        };
+
+        let mut router = Router::new();
+        let mut versions = Vec::new();
+        for (i, h) in config.handler.iter().enumerate() {
+            let bytes = component_bytes(h, i)?;
+            let origin = format!("handler[{i}].component ({})", h.component.display());
+            let version = runtime.load(&bytes, handler_settings(h), &origin)?;
+            tracing::info!(handler = %h.name, digest = %version.digest, bytes = version.size, "handler loaded");
+            versions.push(version);
+            let types = h.message_types.iter().chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
+            for t in types {
+                if let Some(prev) = router.bind(&h.topology, h.tenant.as_deref(), t, &h.name)
+                    && prev != h.name {
+                        bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
+                    }
+            }
+        }
+        for v in versions {
+            router.install(v);
+        }
+
+        let pool = Arc::new(WorkerPool::new(runtime, opts.workers)?);
+        let pipeline = Arc::new(Pipeline {
+            transport: transport.clone(),
+            pool,
+            router: Arc::new(router),
+            stats: Arc::new(Stats::default()),
+            observer: opts.settle_observer.clone(),
+        });
+
+        let (stop, stop_rx) = watch::channel(false);
+        let mut runners = JoinSet::new();
+        let mut topologies = HashMap::new();
+        let mut owned = Vec::new();
+        for (ti, t) in config.topology.iter().enumerate() {
+            transport
+                .declare(&TopologySpec { name: t.name.clone(), slots: t.slots })
+                .await
+                .with_context(|| format!("declaring topology[{ti}] `{}` on {}", t.name, transport.system()))?;
+            topologies.insert(t.name.clone(), t.slots);
+            let slots: Vec<u32> = match config.cluster.mode {
+                ClusterMode::Solo => (0..t.slots).collect(),
+                ClusterMode::Static => {
+                    config.cluster.owned_slots.iter().flatten().copied().filter(|s| *s < t.slots).collect()
+                }
+                other => bail!(
+                    "{}: cluster.mode = \"{}\" needs a coordinator that this build does not have yet; accepted: \"solo\", \"static\"",
+                    config.origin,
+                    match other {
+                        ClusterMode::Postgres => "postgres",
+                        _ => "rabbitmq-sac",
+                    }
+                ),
+            };
+            let schedule = t.schedule(config.transport.kind, None);
+            for slot in slots {
+                let settings = SlotSettings {
+                    topology: Arc::from(t.name.as_str()),
+                    slot,
+                    slots: t.slots,
+                    max_concurrent_groups: t.max_concurrent_groups as usize,
+                    max_unordered: t.max_unordered as usize,
+                    prefetch: config.transport.prefetch,
+                    max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
+                    schedule: schedule.clone(),
+                    bypass_lanes: opts.bypass_lanes,
+                };
+                owned.push((t.name.clone(), slot));
+                let runner = SlotRunner::new(pipeline.clone(), settings);
+                runners.spawn(runner.run(stop_rx.clone()));
+            }
+        }
+        tracing::info!(node = %config.node.name, slots = owned.len(), transport = transport.system(), "node started");
+        Ok(Self { pipeline, stop, runners, topologies, owned })
+    }
+
+    /// Outcome counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.pipeline.stats.clone()
+    }
+
+    /// The (topology, slot) pairs this node consumes.
+    pub fn owned_slots(&self) -> &[(String, u32)] {
+        &self.owned
+    }
+
+    /// Publish a message through the broker to the slot of its group.
+    pub async fn publish(&self, topology: &str, env: &Envelope) -> Result<(), TransportError> {
+        let slots = self.topologies.get(topology).copied().unwrap_or(1);
+        publish(self.pipeline.transport.as_ref(), topology, slots, env).await
+    }
+
+    /// Stop taking messages, return unstarted ones, wait for every call in
+    /// flight, and stop consuming. Returns what each runner did.
+    pub async fn shutdown(mut self) -> anyhow::Result<Vec<RunnerReport>> {
+        let _ = self.stop.send(true);
+        let mut reports = Vec::new();
+        while let Some(r) = self.runners.join_next().await {
+            reports.push(r.context("a slot runner panicked")??);
+        }
+        Ok(reports)
+    }
+}
+
+/// Publish `env` through `transport` to the slot of its group (or of its id
+/// when it has none), waiting for the broker's confirm.
+pub async fn publish(transport: &dyn Transport, topology: &str, slots: u32, env: &Envelope) -> Result<(), TransportError> {
+    let slot = partition::slot_for(env.group(), &env.id, slots);
+    transport.publish(topology, slot, envelope::encode(env)).await
+}

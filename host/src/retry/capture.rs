@@ -1,0 +1,163 @@
+//! Dead-letter capture: publish the message with its provenance to the
+//! dead-letter destination, wait for the broker's confirm, and only then
+//! acknowledge the original. A failed capture is never followed by an ack.
+
+use crate::envelope::{self, Envelope, Wire, header};
+use crate::transport::{Acker, Disposition, Transport};
+
+/// Why a message was dead-lettered (`weir-dead-letter-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The handler answered `reject`.
+    Rejected,
+    /// Retryable failures used up every delivery.
+    Exhausted,
+    /// The message could not be decoded (headers missing or invalid).
+    Undecodable,
+    /// No handler is bound to its (tenant, message type).
+    NoHandler,
+    /// The last delivery ran past the handler's timeout.
+    Timeout,
+    /// The last delivery trapped.
+    Trap,
+}
+
+impl Reason {
+    /// Every reason, in a fixed order.
+    pub const ALL: [Reason; 6] =
+        [Reason::Rejected, Reason::Exhausted, Reason::Undecodable, Reason::NoHandler, Reason::Timeout, Reason::Trap];
+
+    /// The header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Rejected => "rejected",
+            Reason::Exhausted => "exhausted",
+            Reason::Undecodable => "undecodable",
+            Reason::NoHandler => "no-handler",
+            Reason::Timeout => "timeout",
+            Reason::Trap => "trap",
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a delivery was settled. Each is counted and logged distinctly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Handler succeeded, cascades confirmed, acknowledged.
+    Handled,
+    /// Back onto the retry ladder.
+    RetryScheduled,
+    /// Captured on the dead-letter destination (confirmed) and acknowledged.
+    DeadLettered(Reason),
+    /// The capture failed and no delivery is left: provably nothing reached
+    /// the dead-letter destination.
+    Stranded,
+    /// The capture was confirmed but the ack's confirmation was lost: the
+    /// ack may have landed, and the message may be delivered once more.
+    Uncertain,
+    /// The capture failed; the message went back to its queue for another try.
+    Requeued,
+    /// Returned unprocessed (drain, handoff, shutdown).
+    Released,
+}
+
+/// Where a dead letter came from and why.
+#[derive(Debug, Clone)]
+pub struct Provenance<'a> {
+    /// Why.
+    pub reason: Reason,
+    /// The last error text.
+    pub error: &'a str,
+    /// Queue or subject it was consumed from.
+    pub source: &'a str,
+    /// Handler name and component digest, when one was involved.
+    pub handler: Option<(&'a str, &'a str)>,
+    /// Broker position (delivery tag or stream sequence), for logs.
+    pub tag: &'a str,
+}
+
+/// The message to capture: decoded, or raw when it did not decode.
+pub enum Captured<'a> {
+    /// A decoded message.
+    Envelope(&'a Envelope),
+    /// Raw bytes and headers as received.
+    Raw(Wire),
+}
+
+/// Build the dead-letter form: all original headers plus provenance.
+pub fn dead_letter_wire(message: Captured<'_>, p: &Provenance<'_>) -> Wire {
+    let mut wire = match message {
+        Captured::Envelope(env) => envelope::encode(env),
+        Captured::Raw(w) => w,
+    };
+    wire.set_header(header::DEAD_LETTER_REASON, p.reason.as_str());
+    wire.set_header(header::ERROR, p.error);
+    wire.set_header(header::SOURCE, p.source);
+    if let Some((name, digest)) = p.handler {
+        wire.set_header(header::HANDLER, name);
+        wire.set_header(header::HANDLER_VERSION, digest);
+    }
+    let now = time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    wire.set_header(header::FAILED_AT, now);
+    wire
+}
+
+/// Capture then settle. Never acks unless the broker confirmed the capture.
+pub async fn capture(
+    transport: &dyn Transport,
+    topology: &str,
+    message: Captured<'_>,
+    acker: Box<dyn Acker>,
+    p: &Provenance<'_>,
+) -> Outcome {
+    let system = transport.system();
+    let wire = dead_letter_wire(message, p);
+    match transport.publish_dead_letter(topology, wire).await {
+        Ok(()) => match acker.settle(Disposition::Ack).await {
+            Ok(()) => {
+                tracing::info!(
+                    messaging.system = system, topology, source = p.source, tag = p.tag,
+                    reason = p.reason.as_str(), error = p.error, "dead-lettered"
+                );
+                Outcome::DeadLettered(p.reason)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    messaging.system = system, topology, source = p.source, tag = p.tag, error = %e,
+                    "uncertain: the dead-letter capture was confirmed but the ack's confirmation was lost; \
+                     the ack may have landed. Check whether the consumer's ack floor passed this position; \
+                     if it did not, the message will be delivered again and captured again (a duplicate dead letter). \
+                     Delete nothing."
+                );
+                Outcome::Uncertain
+            }
+        },
+        Err(e) => {
+            if acker.deliveries_left() == Some(0) {
+                tracing::error!(
+                    messaging.system = system, topology, source = p.source, tag = p.tag,
+                    reason = p.reason.as_str(), error = %e,
+                    "stranded: the dead-letter capture failed and the broker has no delivery left; \
+                     nothing reached the dead-letter destination"
+                );
+                return Outcome::Stranded;
+            }
+            tracing::warn!(
+                messaging.system = system, topology, source = p.source, tag = p.tag, error = %e,
+                "dead-letter capture failed; returning the message to its queue to try again"
+            );
+            if let Err(e) = acker.settle(Disposition::Release).await {
+                tracing::warn!(tag = p.tag, error = %e, "release after a failed capture failed; the broker redelivers it");
+            }
+            Outcome::Requeued
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Per-instance host state: the WASI context a handler was granted, its
+//! memory limiter, and the host imports (`log`, `publish`, `config`).
+//!
+//! `publish` only records the message in the outbox: the caller publishes the
+//! outbox through the broker after the call has succeeded, and drops it when
+//! the call failed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use wasmtime::component::ResourceTable;
+use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use super::HandlerSettings;
+use super::bindings::weir::handler::host::Host;
+use super::bindings::weir::handler::types::{Host as TypesHost, Level};
+use crate::envelope::{self, Envelope};
+
+/// A message published by a guest during the current call.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// The message, with id, tenant and attempt already filled in.
+    pub envelope: Envelope,
+}
+
+/// Facts about the message being handled, for cascade ids and log fields.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct CallContext {
+    pub message_id: String,
+    pub tenant_id: Option<String>,
+}
+
+/// The data of one wasmtime `Store`.
+pub struct HostState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limiter: Limiter,
+    pub(crate) settings: Arc<HandlerSettings>,
+    pub(crate) outbox: Vec<Outgoing>,
+    pub(crate) call: CallContext,
+    /// When the current call must be interrupted.
+    pub(crate) deadline: Option<Instant>,
+    /// Set from outside to interrupt the current call (fencing, shutdown).
+    pub(crate) cancel: Option<Arc<AtomicBool>>,
+    /// Why the last call was interrupted, if it was.
+    pub(crate) interrupted: Option<Interruption>,
+}
+
+/// Why the host stopped a running call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interruption {
+    /// The handler ran past its timeout.
+    Timeout,
+    /// The host cancelled the call (lost ownership or shutdown).
+    Cancelled,
+}
+
+impl HostState {
+    pub(crate) fn new(settings: Arc<HandlerSettings>) -> Self {
+        let mut wasi = WasiCtx::builder();
+        settings.wasi.apply(&mut wasi);
+        Self {
+            wasi: wasi.build(),
+            table: ResourceTable::new(),
+            limiter: Limiter::new(settings.memory_limit),
+            settings,
+            outbox: Vec::new(),
+            call: CallContext::default(),
+            deadline: None,
+            cancel: None,
+            interrupted: None,
+        }
+    }
+
+    pub(crate) fn limiter(&mut self) -> &mut Limiter {
+        &mut self.limiter
+    }
+
+    /// Whether a memory grow was refused since the flag was last cleared.
+    pub(crate) fn take_memory_denied(&mut self) -> bool {
+        std::mem::take(&mut self.limiter.denied)
+    }
+
+    /// Called on every epoch tick while a guest runs.
+    pub(crate) fn should_interrupt(&mut self) -> bool {
+        if self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+            self.interrupted = Some(Interruption::Cancelled);
+            return true;
+        }
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.interrupted = Some(Interruption::Timeout);
+            return true;
+        }
+        false
+    }
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl TypesHost for HostState {}
+
+impl Host for HostState {
+    fn log(&mut self, level: Level, text: String) -> wasmtime::Result<()> {
+        let handler = self.settings.name.as_str();
+        let message = self.call.message_id.as_str();
+        match level {
+            Level::Trace => tracing::trace!(handler, message, "{text}"),
+            Level::Debug => tracing::debug!(handler, message, "{text}"),
+            Level::Info => tracing::info!(handler, message, "{text}"),
+            Level::Warn => tracing::warn!(handler, message, "{text}"),
+            Level::Error => tracing::error!(handler, message, "{text}"),
+        }
+        Ok(())
+    }
+
+    fn publish(
+        &mut self,
+        message_type: String,
+        group_id: Option<String>,
+        headers: Vec<(String, String)>,
+        payload: Vec<u8>,
+    ) -> wasmtime::Result<Result<(), String>> {
+        if message_type.is_empty() {
+            return Ok(Err("publish: message type must not be empty".into()));
+        }
+        if self.outbox.len() >= self.settings.max_publish_per_call {
+            return Ok(Err(format!(
+                "publish: at most {} messages per call",
+                self.settings.max_publish_per_call
+            )));
+        }
+        if let Some((k, _)) = headers.iter().find(|(k, _)| envelope::header::DERIVED.contains(&k.as_str())) {
+            return Ok(Err(format!("publish: header `{k}` is set by the host")));
+        }
+        let id = envelope::cascade_id(&self.call.message_id, self.outbox.len());
+        let envelope = envelope::new_message(
+            id,
+            message_type,
+            group_id,
+            self.call.tenant_id.clone(),
+            headers,
+            payload,
+        );
+        self.outbox.push(Outgoing { envelope });
+        Ok(Ok(()))
+    }
+
+    fn config(&mut self, key: String) -> wasmtime::Result<Option<String>> {
+        Ok(self.settings.config.get(&key).cloned())
+    }
+}
+
+/// Memory limits per instance; remembers a refused grow so a trap that
+/// follows can be reported as "memory limit exceeded".
+pub(crate) struct Limiter {
+    inner: StoreLimits,
+    denied: bool,
+}
+
+impl Limiter {
+    fn new(memory: usize) -> Self {
+        Self { inner: StoreLimitsBuilder::new().memory_size(memory).build(), denied: false }
+    }
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let ok = self.inner.memory_growing(current, desired, maximum)?;
+        if !ok {
+            self.denied = true;
+        }
+        Ok(ok)
+    }
+
+    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        self.inner.table_growing(current, desired, maximum)
+    }
+}

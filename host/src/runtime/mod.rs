@@ -1,0 +1,556 @@
+//! The Wasm runtime: one engine per process (pooling allocator, epoch
+//! interruption), handler versions compiled once and kept as `InstancePre`,
+//! and [`Executor`]s that call guests synchronously on worker threads.
+//!
+//! A trap, a timeout or a cancellation is a [`Fault`]: the instance is
+//! discarded and the caller treats every message of that call as `retry`.
+//! Routing, lanes and settlement are left to others.
+
+pub mod bindings;
+mod host;
+pub mod pool;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use sha2::Digest as _;
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
+
+use bindings::weir::handler::types::Failure;
+use bindings::{Handler, HandlerPre};
+pub use host::{HostState, Interruption, Outgoing};
+
+use crate::envelope::Envelope;
+
+/// How often the epoch advances; the granularity of timeouts and cancellation.
+pub const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// Process-wide runtime options.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// Largest linear memory any instance may have (the pool's slot size).
+    pub max_memory: usize,
+    /// Instances the pooling allocator keeps room for.
+    pub pool_instances: u32,
+    /// Guest stack limit; deeper recursion traps with a stack overflow.
+    pub max_wasm_stack: usize,
+    /// Where compiled components are cached by digest (`None`: no cache).
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self {
+            max_memory: 256 << 20,
+            pool_instances: 256,
+            max_wasm_stack: 512 << 10,
+            cache_dir: None,
+        }
+    }
+}
+
+/// Whether an instance is reused across calls or made fresh for each.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum InstanceMode {
+    /// Keep one instance per worker and handler version (the default).
+    #[default]
+    Reuse,
+    /// Instantiate for every call: strict isolation between messages.
+    Fresh,
+}
+
+/// A host directory a handler may see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preopen {
+    /// Directory on the host.
+    pub host: PathBuf,
+    /// Path the guest sees.
+    pub guest: String,
+    /// Read-only when true.
+    pub read_only: bool,
+}
+
+/// WASI capabilities beyond clocks and random; all denied by default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WasiGrants {
+    /// Environment variables visible to the guest.
+    pub env: Vec<(String, String)>,
+    /// Guest stdout/stderr go to the host's.
+    pub inherit_stdio: bool,
+    /// Directories the guest may open.
+    pub preopens: Vec<Preopen>,
+    /// TCP/UDP and name lookup to any address.
+    pub network: bool,
+}
+
+impl WasiGrants {
+    fn apply(&self, b: &mut wasmtime_wasi::WasiCtxBuilder) {
+        for (k, v) in &self.env {
+            b.env(k, v);
+        }
+        if self.inherit_stdio {
+            b.inherit_stdout().inherit_stderr();
+        }
+        for p in &self.preopens {
+            let perms = if p.read_only {
+                wasmtime_wasi::FsPerms::ReadOnly
+            } else {
+                wasmtime_wasi::FsPerms::ReadWrite
+            };
+            // Checked by `Runtime::load`, which opens each directory first.
+            if let Err(e) = b.preopened_dir(&p.host, &p.guest, perms) {
+                tracing::error!(host = %p.host.display(), error = %e, "preopen failed after validation");
+            }
+        }
+        if self.network {
+            b.inherit_network().allow_tcp(true).allow_udp(true).allow_ip_name_lookup(true);
+        }
+    }
+}
+
+/// Everything about a handler that is not its code.
+#[derive(Debug, Clone)]
+pub struct HandlerSettings {
+    /// Handler name from the config.
+    pub name: String,
+    /// Linear memory limit per instance, bytes.
+    pub memory_limit: usize,
+    /// Per-call timeout.
+    pub timeout: Duration,
+    /// Reuse or fresh instances.
+    pub instance_mode: InstanceMode,
+    /// The handler's own config table, read by the `config` import.
+    pub config: BTreeMap<String, String>,
+    /// WASI grants.
+    pub wasi: WasiGrants,
+    /// Upper bound on `publish` calls per handler call.
+    pub max_publish_per_call: usize,
+}
+
+impl HandlerSettings {
+    /// Defaults for a handler called `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            memory_limit: 64 << 20,
+            timeout: Duration::from_secs(5),
+            instance_mode: InstanceMode::Reuse,
+            config: BTreeMap::new(),
+            wasi: WasiGrants::default(),
+            max_publish_per_call: 1000,
+        }
+    }
+}
+
+static NEXT_VERSION: AtomicU64 = AtomicU64::new(1);
+
+/// One compiled, validated version of a handler.
+pub struct HandlerVersion {
+    /// Process-unique id (instance caches key on it).
+    pub id: u64,
+    /// sha256 of the component bytes, hex.
+    pub digest: String,
+    /// Size of the component in bytes.
+    pub size: usize,
+    /// The handler's settings.
+    pub settings: Arc<HandlerSettings>,
+    pre: HandlerPre<HostState>,
+    retired: AtomicBool,
+}
+
+impl std::fmt::Debug for HandlerVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerVersion")
+            .field("name", &self.settings.name)
+            .field("digest", &self.digest)
+            .finish()
+    }
+}
+
+impl HandlerVersion {
+    /// Handler name.
+    pub fn name(&self) -> &str {
+        &self.settings.name
+    }
+
+    /// Mark this version as replaced: workers drop their cached instances.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+}
+
+/// Observes every guest call (a test ledger or the demo's overlap detector).
+pub trait CallObserver: Send + Sync {
+    /// Right before the guest is entered for `msg`.
+    fn before(&self, msg: &Envelope);
+    /// Right after it returned, trapped or was interrupted.
+    fn after(&self, msg: &Envelope);
+}
+
+/// The engine, the linker and the epoch ticker.
+pub struct Runtime {
+    engine: Engine,
+    linker: Linker<HostState>,
+    options: RuntimeOptions,
+    observer: Option<Arc<dyn CallObserver>>,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Runtime {
+    /// Build the engine (pooling allocator, epoch interruption) and linker.
+    pub fn new(options: RuntimeOptions) -> anyhow::Result<Arc<Self>> {
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(options.pool_instances)
+            .total_core_instances(options.pool_instances * 8)
+            .total_memories(options.pool_instances * 2)
+            .total_tables(options.pool_instances * 4)
+            .max_memory_size(options.max_memory);
+        let mut cfg = wasmtime::Config::new();
+        cfg.wasm_component_model(true)
+            .epoch_interruption(true)
+            .concurrency_support(false)
+            .max_wasm_stack(options.max_wasm_stack)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&cfg).map_err(anyhow::Error::from).context("configuring the wasmtime engine")?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(anyhow::Error::from).context("linking WASI")?;
+        Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s).map_err(anyhow::Error::from).context("linking weir:handler/host")?;
+
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let (e, stop) = (engine.clone(), ticker_stop.clone());
+        std::thread::Builder::new()
+            .name("weir-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    e.increment_epoch();
+                }
+            })
+            .context("starting the epoch ticker")?;
+        Ok(Arc::new(Self { engine, linker, options, observer: None, ticker_stop }))
+    }
+
+    /// Same as [`Runtime::new`] with an observer around every guest call.
+    pub fn with_observer(options: RuntimeOptions, observer: Arc<dyn CallObserver>) -> anyhow::Result<Arc<Self>> {
+        let rt = Self::new(options)?;
+        let mut rt = Arc::into_inner(rt).context("runtime is shared already")?;
+        rt.observer = Some(observer);
+        Ok(Arc::new(rt))
+    }
+
+    /// The wasmtime engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Compile and validate a component: it must be a component exporting
+    /// the `weir:handler/handler` world and fit the limits. `origin` names
+    /// the file or upload in errors.
+    pub fn load(&self, bytes: &[u8], settings: HandlerSettings, origin: &str) -> anyhow::Result<Arc<HandlerVersion>> {
+        let digest = hex::encode(sha2::Sha256::digest(bytes));
+        if settings.memory_limit > self.options.max_memory {
+            anyhow::bail!(
+                "handler `{}`: limits.memory {} exceeds the node's largest instance memory {} bytes",
+                settings.name,
+                settings.memory_limit,
+                self.options.max_memory
+            );
+        }
+        for p in &settings.wasi.preopens {
+            std::fs::read_dir(&p.host).with_context(|| {
+                format!("handler `{}`: wasi preopen {:?} cannot be opened", settings.name, p.host.display())
+            })?;
+        }
+        let component = self
+            .compile(bytes, &digest)
+            .with_context(|| format!("{origin} is not a valid WebAssembly component"))?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .and_then(HandlerPre::new)
+            .map_err(anyhow::Error::from)
+            .with_context(|| {
+                format!("{origin} does not implement the weir:handler/handler world (imports or exports differ)")
+            })?;
+        let version = HandlerVersion {
+            id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
+            digest,
+            size: bytes.len(),
+            settings: Arc::new(settings),
+            pre,
+            retired: AtomicBool::new(false),
+        };
+        // Instantiate once now, so a component that traps in its start
+        // function or needs more memory than allowed is refused at load.
+        let mut probe = Instance::new(&self.engine, &version)
+            .with_context(|| format!("{origin}: instantiating handler `{}`", version.name()))?;
+        drop(probe.store.data_mut().outbox.drain(..));
+        Ok(Arc::new(version))
+    }
+
+    fn compile(&self, bytes: &[u8], digest: &str) -> anyhow::Result<Component> {
+        let Some(dir) = &self.options.cache_dir else {
+            return Component::new(&self.engine, bytes).map_err(anyhow::Error::from);
+        };
+        let mut hasher = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(&self.engine.precompile_compatibility_hash(), &mut hasher);
+        let key = std::hash::Hasher::finish(&hasher);
+        let path = dir.join(format!("{digest}-{key:016x}.cwasm"));
+        if path.exists() {
+            // SAFETY: the file was written by `precompile_component` of an
+            // engine with the same compatibility hash, into the node's own
+            // data directory, under the digest of the bytes being loaded.
+            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+                Ok(c) => return Ok(c),
+                Err(e) => tracing::warn!(path = %path.display(), error = %e, "ignoring unusable compiled-code cache entry"),
+            }
+        }
+        let code = self.engine.precompile_component(bytes).map_err(anyhow::Error::from)?;
+        std::fs::create_dir_all(dir).with_context(|| format!("creating cache dir {}", dir.display()))?;
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, &code).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+        // SAFETY: just produced by this engine's `precompile_component`.
+        Ok(unsafe { Component::deserialize(&self.engine, &code).map_err(anyhow::Error::from)? })
+    }
+}
+
+/// What went wrong in a call, beyond the guest's own answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The guest trapped (panic, unreachable, stack overflow, bad access).
+    Trap,
+    /// The guest exceeded its memory limit (and then trapped).
+    MemoryLimit,
+    /// The call ran past the handler's timeout and was interrupted.
+    Timeout,
+    /// The host interrupted the call (ownership lost, shutdown).
+    Cancelled,
+    /// A fresh instance could not be made.
+    Instantiate,
+}
+
+/// A call that did not produce the guest's answer.
+#[derive(Debug, Clone)]
+pub struct Fault {
+    /// The class of fault.
+    pub kind: FaultKind,
+    /// Human-readable detail (the trap message).
+    pub detail: String,
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.kind {
+            FaultKind::Trap => "handler trapped",
+            FaultKind::MemoryLimit => "handler exceeded its memory limit",
+            FaultKind::Timeout => "handler timed out",
+            FaultKind::Cancelled => "call cancelled by the host",
+            FaultKind::Instantiate => "handler could not be instantiated",
+        };
+        write!(f, "{what}: {}", self.detail)
+    }
+}
+
+/// The result of handing one message to `handle`.
+#[derive(Debug)]
+pub enum CallOutcome {
+    /// The guest answered. Messages it published are in `published` (only
+    /// when it answered `Ok`; a failed call's publishes are dropped).
+    Done {
+        /// The guest's answer.
+        result: Result<(), Failure>,
+        /// Cascaded messages to publish before acknowledging.
+        published: Vec<Outgoing>,
+    },
+    /// No answer: treat as `retry`.
+    Fault(Fault),
+}
+
+/// The result of one `handle-batch` call.
+#[derive(Debug)]
+pub enum BatchOutcome {
+    /// One answer per message, in order, and everything the call published.
+    Done {
+        /// Answers, same order as the batch.
+        results: Vec<Result<(), Failure>>,
+        /// Cascaded messages of the whole call.
+        published: Vec<Outgoing>,
+    },
+    /// No answers: replay members one by one.
+    Fault(Fault),
+}
+
+struct Instance {
+    store: Store<HostState>,
+    bindings: Handler,
+}
+
+impl Instance {
+    fn new(engine: &Engine, version: &HandlerVersion) -> anyhow::Result<Self> {
+        let mut store = Store::new(engine, HostState::new(version.settings.clone()));
+        store.limiter(|s| s.limiter());
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(|ctx| {
+            if ctx.data_mut_should_interrupt() {
+                Ok(UpdateDeadline::Interrupt)
+            } else {
+                Ok(UpdateDeadline::Continue(1))
+            }
+        });
+        let bindings = version.pre.instantiate(&mut store).map_err(anyhow::Error::from)?;
+        Ok(Self { store, bindings })
+    }
+}
+
+trait ShouldInterrupt {
+    fn data_mut_should_interrupt(self) -> bool;
+}
+
+impl ShouldInterrupt for wasmtime::StoreContextMut<'_, HostState> {
+    fn data_mut_should_interrupt(mut self) -> bool {
+        self.data_mut().should_interrupt()
+    }
+}
+
+/// Calls guests on the current thread, keeping reusable instances.
+/// One per worker thread; not shared.
+pub struct Executor {
+    runtime: Arc<Runtime>,
+    cache: HashMap<u64, (Arc<HandlerVersion>, Instance)>,
+}
+
+impl Executor {
+    /// An executor with an empty instance cache.
+    pub fn new(runtime: Arc<Runtime>) -> Self {
+        Self { runtime, cache: HashMap::new() }
+    }
+
+    fn instance(&mut self, version: &Arc<HandlerVersion>) -> Result<Instance, Fault> {
+        if version.settings.instance_mode == InstanceMode::Reuse
+            && let Some((_, inst)) = self.cache.remove(&version.id)
+        {
+            return Ok(inst);
+        }
+        Instance::new(&self.runtime.engine, version)
+            .map_err(|e| Fault { kind: FaultKind::Instantiate, detail: format!("{e:#}") })
+    }
+
+    fn keep(&mut self, version: &Arc<HandlerVersion>, inst: Instance) {
+        if version.settings.instance_mode == InstanceMode::Reuse && !version.is_retired() {
+            self.cache.insert(version.id, (version.clone(), inst));
+        }
+        if self.cache.len() > 8 {
+            self.cache.retain(|_, (v, _)| !v.is_retired());
+        }
+    }
+
+    fn arm(inst: &mut Instance, version: &HandlerVersion, msg: &Envelope, cancel: &Option<Arc<AtomicBool>>) {
+        let data = inst.store.data_mut();
+        data.deadline = Some(Instant::now() + version.settings.timeout);
+        data.cancel.clone_from(cancel);
+        data.interrupted = None;
+        data.call.message_id.clone_from(&msg.id);
+        data.call.tenant_id.clone_from(&msg.tenant_id);
+        data.outbox.clear();
+    }
+
+    fn fault(inst: &mut Instance, err: wasmtime::Error) -> Fault {
+        let data = inst.store.data_mut();
+        let memory = data.take_memory_denied();
+        let kind = match (data.interrupted.take(), memory) {
+            (Some(Interruption::Timeout), _) => FaultKind::Timeout,
+            (Some(Interruption::Cancelled), _) => FaultKind::Cancelled,
+            (None, true) => FaultKind::MemoryLimit,
+            (None, false) => FaultKind::Trap,
+        };
+        let detail = match (kind, err.downcast_ref::<Trap>()) {
+            (FaultKind::Timeout, _) => format!("interrupted after {:?}", data.settings.timeout),
+            (FaultKind::MemoryLimit, _) => {
+                format!("limit {} bytes; {err}", data.settings.memory_limit)
+            }
+            (_, Some(Trap::StackOverflow)) => "stack overflow".to_owned(),
+            _ => format!("{err:#}"),
+        };
+        Fault { kind, detail }
+    }
+
+    /// Call `handle` for one message.
+    pub fn call(&mut self, version: &Arc<HandlerVersion>, msg: &Envelope, cancel: &Option<Arc<AtomicBool>>) -> CallOutcome {
+        let mut inst = match self.instance(version) {
+            Ok(i) => i,
+            Err(f) => return CallOutcome::Fault(f),
+        };
+        Self::arm(&mut inst, version, msg, cancel);
+        if let Some(o) = &self.runtime.observer {
+            o.before(msg);
+        }
+        let r = inst.bindings.call_handle(&mut inst.store, msg);
+        if let Some(o) = &self.runtime.observer {
+            o.after(msg);
+        }
+        match r {
+            Ok(result) => {
+                let published = match result {
+                    Ok(()) => std::mem::take(&mut inst.store.data_mut().outbox),
+                    Err(_) => Vec::new(),
+                };
+                self.keep(version, inst);
+                CallOutcome::Done { result, published }
+            }
+            // The instance is dropped here: its state may be corrupt.
+            Err(e) => CallOutcome::Fault(Self::fault(&mut inst, e)),
+        }
+    }
+
+    /// Call `handle-batch` once for all of `batch`.
+    pub fn call_batch(
+        &mut self,
+        version: &Arc<HandlerVersion>,
+        batch: &[Envelope],
+        cancel: &Option<Arc<AtomicBool>>,
+    ) -> BatchOutcome {
+        let Some(first) = batch.first() else {
+            return BatchOutcome::Done { results: Vec::new(), published: Vec::new() };
+        };
+        let mut inst = match self.instance(version) {
+            Ok(i) => i,
+            Err(f) => return BatchOutcome::Fault(f),
+        };
+        Self::arm(&mut inst, version, first, cancel);
+        if let Some(o) = &self.runtime.observer {
+            batch.iter().for_each(|m| o.before(m));
+        }
+        let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
+        if let Some(o) = &self.runtime.observer {
+            batch.iter().for_each(|m| o.after(m));
+        }
+        match r {
+            Ok(results) if results.len() == batch.len() => {
+                let published = std::mem::take(&mut inst.store.data_mut().outbox);
+                self.keep(version, inst);
+                BatchOutcome::Done { results, published }
+            }
+            Ok(results) => BatchOutcome::Fault(Fault {
+                kind: FaultKind::Trap,
+                detail: format!("handle-batch returned {} results for {} messages", results.len(), batch.len()),
+            }),
+            Err(e) => BatchOutcome::Fault(Self::fault(&mut inst, e)),
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! The embedded broker: per-slot queues with prefetch, ack, release,
+//! delayed redelivery and a dead-letter list, behind the same [`Transport`]
+//! trait as the real brokers. Like RabbitMQ, the host owns the retry ladder.
+//! Fault injection ([`Faults`]) lets tests make a capture or an ack fail.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{Acker, Delivery, Disposition, ErrorKind, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+use crate::envelope::{self, Wire};
+
+/// Failures a test can ask the broker to produce; each counter is consumed
+/// one failure at a time.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Refuse this many dead-letter publishes.
+    pub refuse_dead_letters: AtomicU32,
+    /// Refuse this many slot publishes.
+    pub refuse_publishes: AtomicU32,
+    /// Apply this many acks but report them as failed (lost confirmation).
+    pub lose_ack_confirms: AtomicU32,
+}
+
+fn take(counter: &AtomicU32) -> bool {
+    counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok()
+}
+
+#[derive(Debug)]
+struct Stored {
+    seq: u64,
+    wire: Wire,
+}
+
+#[derive(Default)]
+struct Queue {
+    ready: VecDeque<Stored>,
+    delayed: BinaryHeap<Reverse<(Instant, u64)>>,
+    delayed_items: HashMap<u64, Stored>,
+    /// seq → (consumer, message)
+    unacked: HashMap<u64, (u64, Stored)>,
+    /// consumer → unacked count
+    per_consumer: HashMap<u64, u32>,
+}
+
+impl Queue {
+    fn promote_due(&mut self, now: Instant) {
+        while let Some(Reverse((due, seq))) = self.delayed.peek().copied() {
+            if due > now {
+                break;
+            }
+            self.delayed.pop();
+            if let Some(s) = self.delayed_items.remove(&seq) {
+                self.ready.push_back(s);
+            }
+        }
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.delayed.peek().map(|Reverse((d, _))| *d)
+    }
+
+    fn depth(&self) -> usize {
+        self.ready.len() + self.delayed_items.len() + self.unacked.len()
+    }
+}
+
+struct SlotQueue {
+    name: String,
+    q: Mutex<Queue>,
+    notify: Notify,
+}
+
+struct Topology {
+    slots: Vec<Arc<SlotQueue>>,
+    dead_letters: Mutex<Vec<Wire>>,
+}
+
+struct Shared {
+    topologies: RwLock<HashMap<String, Arc<Topology>>>,
+    next_seq: AtomicU64,
+    next_consumer: AtomicU64,
+    faults: Faults,
+}
+
+/// The in-memory broker. Cheap to clone; clones share the queues.
+#[derive(Clone)]
+pub struct MemoryBroker {
+    shared: Arc<Shared>,
+}
+
+impl Default for MemoryBroker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryBroker {
+    /// An empty broker.
+    pub fn new() -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                topologies: RwLock::new(HashMap::new()),
+                next_seq: AtomicU64::new(1),
+                next_consumer: AtomicU64::new(1),
+                faults: Faults::default(),
+            }),
+        }
+    }
+
+    /// Failure injection for tests.
+    pub fn faults(&self) -> &Faults {
+        &self.shared.faults
+    }
+
+    fn topology(&self, name: &str) -> Result<Arc<Topology>, TransportError> {
+        self.shared
+            .topologies
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| TransportError::new(ErrorKind::Invalid, format!("topology `{name}` is not declared")))
+    }
+
+    fn slot(&self, topology: &str, slot: u32) -> Result<Arc<SlotQueue>, TransportError> {
+        let t = self.topology(topology)?;
+        t.slots.get(slot as usize).cloned().ok_or_else(|| {
+            TransportError::new(
+                ErrorKind::Invalid,
+                format!("slot {slot} does not exist in topology `{topology}` ({} slots)", t.slots.len()),
+            )
+        })
+    }
+
+    /// Messages on the dead-letter list of `topology`.
+    pub fn dead_letters(&self, topology: &str) -> Vec<Wire> {
+        self.topology(topology).map(|t| t.dead_letters.lock().clone()).unwrap_or_default()
+    }
+
+    /// Messages ready, delayed or unacknowledged in one slot.
+    pub fn depth(&self, topology: &str, slot: u32) -> usize {
+        self.slot(topology, slot).map(|s| s.q.lock().depth()).unwrap_or(0)
+    }
+
+    /// Messages anywhere in `topology`'s slot queues.
+    pub fn total_depth(&self, topology: &str) -> usize {
+        self.topology(topology).map(|t| t.slots.iter().map(|s| s.q.lock().depth()).sum()).unwrap_or(0)
+    }
+
+    fn enqueue(&self, q: &SlotQueue, wire: Wire, delay: Duration) {
+        let seq = self.shared.next_seq.fetch_add(1, Ordering::Relaxed);
+        let stored = Stored { seq, wire };
+        {
+            let mut g = q.q.lock();
+            if delay.is_zero() {
+                g.ready.push_back(stored);
+            } else {
+                g.delayed.push(Reverse((Instant::now() + delay, seq)));
+                g.delayed_items.insert(seq, stored);
+            }
+        }
+        q.notify.notify_waiters();
+    }
+}
+
+#[async_trait]
+impl Transport for MemoryBroker {
+    fn system(&self) -> &'static str {
+        "memory"
+    }
+
+    fn retry_owner(&self) -> RetryOwner {
+        RetryOwner::Host
+    }
+
+    async fn declare(&self, spec: &TopologySpec) -> Result<(), TransportError> {
+        let mut map = self.shared.topologies.write();
+        if let Some(existing) = map.get(&spec.name) {
+            if existing.slots.len() != spec.slots as usize {
+                return Err(TransportError::new(
+                    ErrorKind::Invalid,
+                    format!(
+                        "topology `{}` exists with {} slots, not {}",
+                        spec.name,
+                        existing.slots.len(),
+                        spec.slots
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        let slots = (0..spec.slots)
+            .map(|n| {
+                Arc::new(SlotQueue {
+                    name: format!("weir.{}.{n}", spec.name),
+                    q: Mutex::new(Queue::default()),
+                    notify: Notify::new(),
+                })
+            })
+            .collect();
+        map.insert(spec.name.clone(), Arc::new(Topology { slots, dead_letters: Mutex::new(Vec::new()) }));
+        Ok(())
+    }
+
+    async fn subscribe(
+        &self,
+        topology: &str,
+        slot: u32,
+        prefetch: u32,
+    ) -> Result<Box<dyn Subscription>, TransportError> {
+        let queue = self.slot(topology, slot)?;
+        let consumer = self.shared.next_consumer.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(MemorySubscription { broker: self.clone(), queue, consumer, prefetch: prefetch.max(1) }))
+    }
+
+    async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
+        let q = self.slot(topology, slot)?;
+        if take(&self.shared.faults.refuse_publishes) {
+            return Err(TransportError::new(ErrorKind::Refused, format!("{} refused the publish (injected)", q.name)));
+        }
+        self.enqueue(&q, wire, Duration::ZERO);
+        Ok(())
+    }
+
+    async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
+        let t = self.topology(topology)?;
+        if take(&self.shared.faults.refuse_dead_letters) {
+            return Err(TransportError::new(
+                ErrorKind::Refused,
+                format!("weir.{topology}.dead-letter refused the capture (injected)"),
+            ));
+        }
+        t.dead_letters.lock().push(wire);
+        Ok(())
+    }
+}
+
+struct MemorySubscription {
+    broker: MemoryBroker,
+    queue: Arc<SlotQueue>,
+    consumer: u64,
+    prefetch: u32,
+}
+
+impl MemorySubscription {
+    /// Take one deliverable message, if any; the time to wake otherwise.
+    fn try_take(&self) -> Result<Stored, Option<Instant>> {
+        let mut g = self.queue.q.lock();
+        g.promote_due(Instant::now());
+        let held = g.per_consumer.get(&self.consumer).copied().unwrap_or(0);
+        if held >= self.prefetch {
+            return Err(None);
+        }
+        match g.ready.pop_front() {
+            Some(s) => {
+                let copy = Stored { seq: s.seq, wire: s.wire.clone() };
+                g.unacked.insert(s.seq, (self.consumer, copy));
+                *g.per_consumer.entry(self.consumer).or_default() += 1;
+                Ok(s)
+            }
+            None => Err(g.next_due()),
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for MemorySubscription {
+    async fn next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        loop {
+            let notified = self.queue.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.try_take() {
+                Ok(stored) => {
+                    let seq = stored.seq;
+                    let message = envelope::decode(stored.wire, || format!("memory-{seq}"), None);
+                    return Some(Ok(Delivery {
+                        message,
+                        source: self.queue.name.clone(),
+                        tag: seq.to_string(),
+                        acker: Box::new(MemoryAcker { broker: self.broker.clone(), queue: self.queue.clone(), seq }),
+                    }));
+                }
+                Err(Some(due)) => {
+                    tokio::select! {
+                        _ = &mut notified => {}
+                        _ = tokio::time::sleep_until(due) => {}
+                    }
+                }
+                Err(None) => notified.await,
+            }
+        }
+    }
+}
+
+impl Drop for MemorySubscription {
+    /// A consumer that goes away returns what it held, like a closed channel.
+    fn drop(&mut self) {
+        {
+            let mut g = self.queue.q.lock();
+            let mine: Vec<u64> =
+                g.unacked.iter().filter(|(_, (c, _))| *c == self.consumer).map(|(s, _)| *s).collect();
+            let mut back: Vec<Stored> = mine.iter().filter_map(|s| g.unacked.remove(s)).map(|(_, st)| st).collect();
+            back.sort_by_key(|s| Reverse(s.seq));
+            for s in back {
+                g.ready.push_front(s);
+            }
+            g.per_consumer.remove(&self.consumer);
+        }
+        self.queue.notify.notify_waiters();
+    }
+}
+
+struct MemoryAcker {
+    broker: MemoryBroker,
+    queue: Arc<SlotQueue>,
+    seq: u64,
+}
+
+#[async_trait]
+impl Acker for MemoryAcker {
+    async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
+        let taken = {
+            let mut g = self.queue.q.lock();
+            let taken = g.unacked.remove(&self.seq);
+            if let Some((consumer, _)) = &taken
+                && let Some(n) = g.per_consumer.get_mut(consumer)
+            {
+                *n = n.saturating_sub(1);
+            }
+            taken
+        };
+        let Some((_, stored)) = taken else {
+            return Err(TransportError::new(
+                ErrorKind::Settled,
+                format!("delivery {} on {} was already settled or returned", self.seq, self.queue.name),
+            ));
+        };
+        match disposition {
+            Disposition::Ack => {
+                self.queue.notify.notify_waiters();
+                if take(&self.broker.shared.faults.lose_ack_confirms) {
+                    return Err(TransportError::new(
+                        ErrorKind::Timeout,
+                        format!("ack of delivery {} on {}: confirmation lost (injected)", self.seq, self.queue.name),
+                    ));
+                }
+            }
+            Disposition::Retry { envelope, delay } => {
+                self.broker.enqueue(&self.queue, envelope::encode(&envelope), delay);
+            }
+            Disposition::Release => {
+                self.queue.q.lock().ready.push_front(stored);
+                self.queue.notify.notify_waiters();
+            }
+        }
+        Ok(())
+    }
+}

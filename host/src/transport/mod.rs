@@ -1,0 +1,144 @@
+//! The broker seam. A [`Transport`] declares a topology, subscribes to a slot,
+//! and publishes with confirms; a [`Delivery`] is settled exactly once by one
+//! [`Disposition`], which each broker turns into acks in one function
+//! ([`Acker::settle`]). Everything above this module is broker-neutral.
+
+pub mod memory;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::envelope::{DecodeError, Envelope, Wire};
+
+/// What kind of failure a broker operation had.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The connection or channel is gone.
+    Connection,
+    /// The broker refused (nack, negative confirm, missing object).
+    Refused,
+    /// No answer in time.
+    Timeout,
+    /// Already settled, or the consumer that received it is gone.
+    Settled,
+    /// The caller asked for something that does not exist or is invalid.
+    Invalid,
+}
+
+/// A broker operation that failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{kind:?}: {detail}")]
+pub struct TransportError {
+    /// The class of failure.
+    pub kind: ErrorKind,
+    /// What happened, naming the object.
+    pub detail: String,
+}
+
+impl TransportError {
+    /// Build an error of `kind`.
+    pub fn new(kind: ErrorKind, detail: impl Into<String>) -> Self {
+        Self { kind, detail: detail.into() }
+    }
+}
+
+/// What the host decided for a delivery; turned into broker acks by
+/// [`Acker::settle`], once.
+#[derive(Debug)]
+pub enum Disposition {
+    /// Done: handled (cascades confirmed) or captured (capture confirmed).
+    Ack,
+    /// Retryable failure: deliver `envelope` (attempt already incremented)
+    /// again after `delay`. Brokers that own the ladder ignore the delay.
+    Retry {
+        /// The message as it should be redelivered.
+        envelope: Envelope,
+        /// Wait before the next delivery.
+        delay: Duration,
+    },
+    /// Not processed (drain, handoff, failed capture): back to the queue
+    /// unchanged, without counting as a delivery where the broker allows.
+    Release,
+}
+
+/// Who times redeliveries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryOwner {
+    /// The host republishes to a delay (memory, RabbitMQ).
+    Host,
+    /// The broker redelivers on its own schedule (JetStream `BackOff`).
+    Broker,
+}
+
+/// Settles one delivery.
+#[async_trait]
+pub trait Acker: Send + Sync {
+    /// The one function per broker that turns a disposition into acks.
+    /// Consumes the acker: a delivery cannot be settled twice.
+    async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError>;
+
+    /// Deliveries the broker will still make of this message after this one
+    /// (`None`: unbounded). `Some(0)` means a failed capture strands it.
+    fn deliveries_left(&self) -> Option<u32> {
+        None
+    }
+}
+
+/// One received message.
+pub struct Delivery {
+    /// The decoded message, or the raw one and why it does not decode.
+    pub message: Result<Envelope, (Wire, DecodeError)>,
+    /// The queue or subject it came from (for `weir-source`).
+    pub source: String,
+    /// Broker position for logs: delivery tag or stream sequence.
+    pub tag: String,
+    /// Settles it.
+    pub acker: Box<dyn Acker>,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery").field("source", &self.source).field("tag", &self.tag).finish()
+    }
+}
+
+/// A consumer of one slot.
+#[async_trait]
+pub trait Subscription: Send {
+    /// The next delivery; `None` when the subscription has ended. Must be
+    /// cancel-safe: dropping the future loses no message.
+    async fn next(&mut self) -> Option<Result<Delivery, TransportError>>;
+}
+
+/// A topology as the transport needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopologySpec {
+    /// Topology name (`T` in the broker names).
+    pub name: String,
+    /// Number of slots.
+    pub slots: u32,
+}
+
+/// A message broker.
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// `messaging.system` for logs and metrics: `memory`, `rabbitmq`, `nats`.
+    fn system(&self) -> &'static str;
+
+    /// Who times redeliveries on this broker.
+    fn retry_owner(&self) -> RetryOwner;
+
+    /// Create the topology's broker objects; idempotent.
+    async fn declare(&self, topology: &TopologySpec) -> Result<(), TransportError>;
+
+    /// Consume one slot with at most `prefetch` unsettled deliveries.
+    async fn subscribe(&self, topology: &str, slot: u32, prefetch: u32)
+        -> Result<Box<dyn Subscription>, TransportError>;
+
+    /// Publish to a slot and wait for the broker's confirm.
+    async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError>;
+
+    /// Publish to the dead-letter destination and wait for the confirm.
+    async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError>;
+}

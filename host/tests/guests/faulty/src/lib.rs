@@ -1,0 +1,108 @@
+//! Test guest whose behaviour is chosen by the message type, so host tests can provoke every
+//! outcome: success, retry, reject, traps (panic, OOM, stack overflow), endless loops, slow
+//! calls, cascades, config reads and sandbox probes. See `handle` for the table.
+
+#![allow(clippy::panic, reason = "trapping on request is this guest's job")]
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use weir_guest::{Failure, Handler, Message};
+
+/// The faulty handler.
+pub struct Faulty;
+
+impl Handler for Faulty {
+    fn handle(msg: Message) -> Result<(), Failure> {
+        match msg.message_type() {
+            "ok" => Ok(()),
+            "trap" => panic!("trap requested by test"),
+            "loop" => spin_forever(),
+            "hog" => hog_memory(),
+            "recurse" => {
+                black_box(recurse(black_box(0)));
+                Ok(())
+            }
+            "slow" => {
+                let text = msg.text()?;
+                let ms: u64 = text.trim().parse().map_err(|e| {
+                    Failure::reject(format!("slow: payload {text:?} is not milliseconds: {e}"))
+                })?;
+                busy_wait(Duration::from_millis(ms));
+                Ok(())
+            }
+            "reject" => Err(Failure::reject("rejected by test")),
+            "retry" => Err(Failure::retry("retry by test")),
+            "publish" => weir_guest::publish("ok", msg.group_id(), &[], msg.payload()),
+            "publish-then-trap" => {
+                weir_guest::publish("ok", msg.group_id(), &[], msg.payload())?;
+                panic!("trap after publish requested by test")
+            }
+            "config" => {
+                let value = weir_guest::config(msg.text()?);
+                Err(Failure::reject(format!("config={value:?}")))
+            }
+            "env" => Err(Failure::reject(probe_sandbox())),
+            other => Err(Failure::reject(format!(
+                "faulty: unknown message type {other:?}"
+            ))),
+        }
+    }
+
+    fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
+        if batch.iter().any(|m| m.message_type() == "trap") {
+            panic!("batch trap requested by test");
+        }
+        batch.into_iter().map(Self::handle).collect()
+    }
+}
+
+weir_guest::export!(Faulty);
+
+fn spin_forever() -> ! {
+    let mut n: u64 = 0;
+    loop {
+        n = black_box(n.wrapping_add(1));
+    }
+}
+
+/// Allocates and touches 1 MiB chunks until allocation fails, which aborts (a trap).
+fn hog_memory() -> ! {
+    const CHUNK: usize = 1 << 20;
+    let mut kept: Vec<Vec<u8>> = Vec::new();
+    loop {
+        let mut chunk = vec![0u8; CHUNK];
+        for byte in chunk.iter_mut().step_by(4096) {
+            *byte = 1;
+        }
+        kept.push(black_box(chunk));
+        black_box(&kept);
+    }
+}
+
+/// Unbounded, non-tail recursion with a 1 KiB frame: overflows the stack (a trap).
+#[inline(never)]
+#[allow(unconditional_recursion, reason = "the stack overflow is the point")]
+fn recurse(depth: u64) -> u64 {
+    let mut frame = [0u8; 1024];
+    frame[(depth % 1024) as usize] = depth as u8;
+    let frame = black_box(frame);
+    recurse(black_box(depth + 1)).wrapping_add(u64::from(frame[(depth % 7) as usize]))
+}
+
+fn busy_wait(duration: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < duration {
+        black_box(());
+    }
+}
+
+/// Reports what the sandbox let through, e.g. `env: HOME=None; read_dir(/)=denied (...)`.
+fn probe_sandbox() -> String {
+    let home = std::env::var("HOME").ok();
+    let dir = match std::fs::read_dir("/") {
+        Ok(entries) => format!("ok ({} entries)", entries.count()),
+        Err(e) => format!("denied ({e})"),
+    };
+    format!("env: HOME={home:?}; read_dir(/)={dir}")
+}
