@@ -310,8 +310,9 @@ async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
     let Err((wire, err)) = message else { return };
     let error = err.to_string();
     let prov = Provenance { reason: Reason::Undecodable, error: &error, source: &source, handler: None, tag: &tag };
+    let id = wire.header(envelope::header::MESSAGE_ID).map_or_else(|| tag.clone(), str::to_owned);
     let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Raw(wire), acker, &prov).await;
-    p.record(&tag, outcome);
+    p.record(&id, outcome);
 }
 
 struct Pending {

@@ -27,6 +27,8 @@ pub struct Faults {
     pub refuse_publishes: AtomicU32,
     /// Apply this many acks but report them as failed (lost confirmation).
     pub lose_ack_confirms: AtomicU32,
+    /// Hold every dead-letter publish this many milliseconds before confirming.
+    pub dead_letter_delay_ms: AtomicU64,
 }
 
 fn take(counter: &AtomicU32) -> bool {
@@ -149,6 +151,11 @@ impl MemoryBroker {
         self.slot(topology, slot).map(|s| s.q.lock().depth()).unwrap_or(0)
     }
 
+    /// Messages delivered to a consumer and not yet settled, in `topology`.
+    pub fn unacked(&self, topology: &str) -> usize {
+        self.topology(topology).map(|t| t.slots.iter().map(|s| s.q.lock().unacked.len()).sum()).unwrap_or(0)
+    }
+
     /// Messages anywhere in `topology`'s slot queues.
     pub fn total_depth(&self, topology: &str) -> usize {
         self.topology(topology).map(|t| t.slots.iter().map(|s| s.q.lock().depth()).sum()).unwrap_or(0)
@@ -231,6 +238,10 @@ impl Transport for MemoryBroker {
 
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
         let t = self.topology(topology)?;
+        let delay = self.shared.faults.dead_letter_delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
         if take(&self.shared.faults.refuse_dead_letters) {
             return Err(TransportError::new(
                 ErrorKind::Refused,

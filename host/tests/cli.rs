@@ -1,0 +1,142 @@
+//! The `weir` command as a person uses it: config errors that name the key,
+//! `schedule check`'s table and exit codes, and `run` draining on SIGTERM.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Read as _;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const WEIR: &str = env!("CARGO_BIN_EXE_weir");
+
+fn write_config(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
+    f
+}
+
+fn weir(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(WEIR).args(args).env("RUST_LOG", "warn,weir=info").output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const GOOD: &str = r#"
+[[topology]]
+name = "orders"
+slots = 2
+[topology.retry]
+ladder = ["1s", "5s"]
+max_deliver = 4
+[[handler]]
+name = "orders"
+component = "bundled:orders"
+topology = "orders"
+message_types = ["order.placed"]
+"#;
+
+#[test]
+fn schedule_check_prints_the_ladder_and_exits_0() {
+    let f = write_config(GOOD);
+    let (code, out, _) = weir(&["schedule", "check", "--config", f.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    // Delivery 2 waits rung 1, delivery 3 rung 2, delivery 4 repeats the last.
+    assert!(out.contains("2            1s            1s"), "{out}");
+    assert!(out.contains("4            5s           11s"), "{out}");
+    assert!(out.contains("time to dead-letter: 11s"), "{out}");
+    assert!(out.contains("no violations"), "{out}");
+}
+
+#[test]
+fn schedule_check_names_every_violation_and_exits_1() {
+    let f = write_config(&GOOD.replace("max_deliver = 4", "max_deliver = 1"));
+    let (code, out, _) = weir(&["schedule", "check", "--config", f.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("topology[0].retry.ladder"), "{out}");
+}
+
+#[test]
+fn unknown_key_names_the_file_table_and_key() {
+    let f = write_config(&GOOD.replace("slots = 2", "slots = 2\nslot_count = 3"));
+    let path = f.path().to_str().unwrap().to_owned();
+    let (code, _, err) = weir(&["run", "--config", &path]);
+    assert_eq!(code, 1);
+    assert!(err.contains(&path), "{err}");
+    assert!(err.contains("topology[0]") && err.contains("slot_count"), "{err}");
+}
+
+#[test]
+fn bad_value_says_what_would_be_accepted() {
+    let f = write_config(&format!("{GOOD}limits = {{ memory = \"64MB\" }}\n"));
+    let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("handler[0]") && err.contains("64MB") && err.contains("MiB"), "{err}");
+}
+
+#[test]
+fn missing_component_names_the_key_and_file() {
+    let f = write_config(&GOOD.replace("bundled:orders", "/nonexistent/orders.wasm"));
+    let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("handler[0].component") && err.contains("/nonexistent/orders.wasm"), "{err}");
+}
+
+#[test]
+fn a_file_that_is_not_a_component_is_refused_at_start() {
+    let junk = write_config("this is not wasm");
+    let f = write_config(&GOOD.replace("bundled:orders", junk.path().to_str().unwrap()));
+    let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not a valid WebAssembly component"), "{err}");
+}
+
+#[test]
+fn unsupported_modes_are_refused_with_the_key() {
+    let f = write_config(&format!("[transport]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n{GOOD}"));
+    let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("transport.kind"), "{err}");
+}
+
+#[test]
+fn run_drains_and_exits_0_on_sigterm() {
+    let f = write_config(GOOD);
+    let mut child = Command::new(WEIR)
+        .args(["run", "--config", f.path().to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        let mut all = String::new();
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.push_str(&String::from_utf8_lossy(&buf[..n]));
+            let _ = tx.send(all.clone());
+        }
+    });
+    let start = Instant::now();
+    let mut log = String::new();
+    while !log.contains("node started") {
+        assert!(start.elapsed() < Duration::from_secs(60), "node did not start: {log}");
+        if let Ok(l) = rx.recv_timeout(Duration::from_millis(100)) {
+            log = l;
+        }
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    while let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
+        log = l;
+    }
+    assert!(status.success(), "exit {status:?}: {log}");
+    assert!(log.contains("drained"), "{log}");
+}
