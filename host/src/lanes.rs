@@ -353,6 +353,18 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
     if items.is_empty() {
         return;
     }
+    // Admission per handler (`limits.instances`), acquired in a fixed order
+    // so two lanes can never each hold what the other waits for.
+    let mut handlers: Vec<&Arc<HandlerVersion>> = pending.iter().map(|x| &x.handler).collect();
+    handlers.sort_by_key(|h| h.id);
+    handlers.dedup_by_key(|h| h.id);
+    let mut permits = Vec::with_capacity(handlers.len());
+    for h in handlers {
+        match h.permits.clone().acquire_owned().await {
+            Ok(permit) => permits.push(permit),
+            Err(_) => tracing::error!(handler = h.name(), "handler admission closed"),
+        }
+    }
     let outcomes = match p.pool.run_each(items, Some(cancel)).await {
         Ok(o) => o,
         Err(e) => {
@@ -362,6 +374,7 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
             return;
         }
     };
+    drop(permits);
     let settles = outcomes.into_iter().zip(pending).map(|((env, outcome), pend)| {
         let (p, s) = (p.clone(), s.clone());
         async move {

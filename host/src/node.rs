@@ -93,6 +93,7 @@ pub fn handler_settings(h: &config::Handler) -> HandlerSettings {
         config::InstanceMode::Fresh => runtime::InstanceMode::Fresh,
     };
     s.config = h.config.clone();
+    s.max_instances = h.limits.instances as usize;
     s.wasi = runtime::WasiGrants {
         env: h.wasi.env.iter().filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v))).collect(),
         inherit_stdio: h.wasi.inherit_stdio,
@@ -125,6 +126,10 @@ impl Node {
         let mut rt_opts = opts.runtime.clone();
         let largest = config.handler.iter().map(|h| h.limits.memory.bytes()).max().unwrap_or(0);
         rt_opts.max_memory = rt_opts.max_memory.max(usize::try_from(largest).unwrap_or(usize::MAX));
+        // The Wasm stack limit is engine-wide: the largest any handler asks for.
+        if let Some(stack) = config.handler.iter().filter_map(|h| h.limits.max_stack).map(|b| b.bytes()).max() {
+            rt_opts.max_wasm_stack = usize::try_from(stack).unwrap_or(usize::MAX);
+        }
         let runtime = match opts.call_observer.clone() {
             Some(o) => Runtime::with_observer(rt_opts, o)?,
             None => Runtime::new(rt_opts)?,

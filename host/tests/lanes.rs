@@ -249,7 +249,10 @@ async fn drain_releases_unstarted_messages_to_the_next_owner() {
     for seq in 0..5 {
         node.publish(TOPO, &slow(Some("g"), 200, seq)).await.unwrap();
     }
-    wait_until("the first call", Duration::from_secs(10), || ledger.calls() == 1).await;
+    wait_until("the first call, with all five delivered to the runner", Duration::from_secs(10), || {
+        ledger.calls() == 1 && broker.unacked(TOPO) == 5
+    })
+    .await;
     let reports = node.shutdown().await.unwrap();
     let released: u64 = reports.iter().map(|r| r.released).sum();
     assert_eq!(released, 4);
@@ -265,4 +268,33 @@ async fn drain_releases_unstarted_messages_to_the_next_owner() {
     node.shutdown().await.unwrap();
     assert_eq!(ledger.overlaps(), 0);
     assert_eq!(broker.total_depth(TOPO), 0);
+}
+
+/// `limits.instances` bounds the calls of a handler running at once, even
+/// when lanes and workers would allow more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_instances_limit_bounds_parallel_calls() {
+    for (instances, expect_peak) in [(1u32, 1usize), (2, 2)] {
+        let mut cfg = config(1, 8);
+        cfg.handler[0].limits.instances = instances;
+        let ledger = Arc::new(Ledger::new());
+        let broker = MemoryBroker::new();
+        let opts = NodeOptions {
+            workers: 2,
+            call_observer: Some(ledger.clone()),
+            settle_observer: Some(ledger.clone()),
+            max_run: 1,
+            ..NodeOptions::default()
+        };
+        let node = Node::start(&cfg, Arc::new(broker.clone()), opts).await.unwrap();
+        for seq in 0..3 {
+            for g in ["a", "b", "c", "d"] {
+                node.publish(TOPO, &slow(Some(g), 30, seq)).await.unwrap();
+            }
+        }
+        let stats = node.stats();
+        wait_until("all handled", Duration::from_secs(30), || stats.handled.load(Ordering::Relaxed) == 12).await;
+        node.shutdown().await.unwrap();
+        assert_eq!(ledger.peak_groups(), expect_peak, "instances = {instances}");
+    }
 }

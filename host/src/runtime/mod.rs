@@ -130,6 +130,9 @@ pub struct HandlerSettings {
     pub wasi: WasiGrants,
     /// Upper bound on `publish` calls per handler call.
     pub max_publish_per_call: usize,
+    /// Calls of this handler that may run at once on this node (and so
+    /// instances in use at once).
+    pub max_instances: usize,
 }
 
 impl HandlerSettings {
@@ -143,6 +146,7 @@ impl HandlerSettings {
             config: BTreeMap::new(),
             wasi: WasiGrants::default(),
             max_publish_per_call: 1000,
+            max_instances: 16,
         }
     }
 }
@@ -159,6 +163,8 @@ pub struct HandlerVersion {
     pub size: usize,
     /// The handler's settings.
     pub settings: Arc<HandlerSettings>,
+    /// Admission for calls of this version, `max_instances` permits.
+    pub permits: Arc<tokio::sync::Semaphore>,
     pre: HandlerPre<HostState>,
     retired: AtomicBool,
 }
@@ -288,6 +294,7 @@ impl Runtime {
                 format!("{origin} does not implement the weir:handler/handler world (imports or exports differ)")
             })?;
         let version = HandlerVersion {
+            permits: Arc::new(tokio::sync::Semaphore::new(settings.max_instances.max(1))),
             id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
             digest,
             size: bytes.len(),
@@ -322,7 +329,7 @@ impl Runtime {
         }
         let code = self.engine.precompile_component(bytes).map_err(anyhow::Error::from)?;
         std::fs::create_dir_all(dir).with_context(|| format!("creating cache dir {}", dir.display()))?;
-        let tmp = path.with_extension("tmp");
+        let tmp = path.with_extension(format!("{}.tmp", uuid::Uuid::new_v4()));
         std::fs::write(&tmp, &code).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
         // SAFETY: just produced by this engine's `precompile_component`.
@@ -465,6 +472,7 @@ impl Executor {
         data.deadline = Some(Instant::now() + version.settings.timeout);
         data.cancel.clone_from(cancel);
         data.interrupted = None;
+        data.take_memory_denied();
         data.call.message_id.clone_from(&msg.id);
         data.call.tenant_id.clone_from(&msg.tenant_id);
         data.outbox.clear();
