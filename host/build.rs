@@ -17,7 +17,10 @@ const GUESTS: &[(&str, &str, &str)] = &[
 
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into()));
-    let root = manifest.parent().map(Path::to_path_buf).unwrap_or_else(|| manifest.clone());
+    let root = manifest
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| manifest.clone());
     for dir in ["wit", "guest-sdk", "examples/rust", "host/tests/guests"] {
         println!("cargo:rerun-if-changed={}", root.join(dir).display());
     }
@@ -62,7 +65,11 @@ fn ensure_target() {
         return;
     }
     println!("cargo:warning=installing the {TARGET} target with rustup (once)");
-    let ok = Command::new("rustup").args(["target", "add", TARGET]).status().map(|s| s.success()).unwrap_or(false);
+    let ok = Command::new("rustup")
+        .args(["target", "add", TARGET])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
     if !ok {
         fail(&format!(
             "Weir's handlers are WebAssembly components built for {TARGET}, and that target is not installed.\n\
@@ -84,15 +91,22 @@ fn build_guests(root: &Path, target_dir: &Path) {
     // The outer build's settings are not the guests': drop what would leak.
     for (key, _) in std::env::vars_os() {
         let k = key.to_string_lossy();
-        if k.starts_with("CARGO_") && k != "CARGO_HOME" && k != "CARGO_NET_OFFLINE" || k.starts_with("RUSTC") || k == "RUSTFLAGS" || k == "RUSTDOCFLAGS" {
+        if k.starts_with("CARGO_") && k != "CARGO_HOME" && k != "CARGO_NET_OFFLINE"
+            || k.starts_with("RUSTC")
+            || k == "RUSTFLAGS"
+            || k == "RUSTDOCFLAGS"
+        {
             cmd.env_remove(&key);
         }
     }
     // Small components: no DWARF, but keep the name section for backtraces.
-    cmd.env("CARGO_PROFILE_RELEASE_DEBUG", "false").env("CARGO_PROFILE_RELEASE_STRIP", "debuginfo");
+    cmd.env("CARGO_PROFILE_RELEASE_DEBUG", "false")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "debuginfo");
     match cmd.status() {
         Ok(s) if s.success() => {}
-        Ok(s) => fail(&format!("building the guest components failed ({s}); see the cargo output above")),
+        Ok(s) => fail(&format!(
+            "building the guest components failed ({s}); see the cargo output above"
+        )),
         Err(e) => fail(&format!("could not run cargo to build the guest components: {e}")),
     }
 }

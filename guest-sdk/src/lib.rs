@@ -114,11 +114,7 @@ pub struct Message {
 impl Message {
     /// Builds a message by hand: for tests. It has no group, no tenant, no headers and is on its
     /// first attempt; the `with_*` methods set the rest.
-    pub fn new(
-        id: impl Into<String>,
-        message_type: impl Into<String>,
-        payload: impl Into<Vec<u8>>,
-    ) -> Self {
+    pub fn new(id: impl Into<String>, message_type: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
         Message {
             inner: wit::Message {
                 id: id.into(),
@@ -186,10 +182,7 @@ impl Message {
 
     /// All headers as delivered, `weir-*` ones included, in delivery order.
     pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.inner
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
+        self.inner.headers.iter().map(|(n, v)| (n.as_str(), v.as_str()))
     }
 
     /// The body, untouched.
@@ -227,12 +220,8 @@ impl Message {
     /// # Errors
     /// A payload that is not UTF-8 is a [`Failure::reject`].
     pub fn text(&self) -> Result<&str, Failure> {
-        std::str::from_utf8(&self.inner.payload).map_err(|e| {
-            Failure::reject(format!(
-                "payload of {:?} is not UTF-8: {e}",
-                self.inner.message_type
-            ))
-        })
+        std::str::from_utf8(&self.inner.payload)
+            .map_err(|e| Failure::reject(format!("payload of {:?} is not UTF-8: {e}", self.inner.message_type)))
     }
 }
 
@@ -475,7 +464,7 @@ macro_rules! export {
     ($handler:ty) => {
         const _: () = {
             type WeirGuestExport = $crate::__private::Export<$handler>;
-            $crate::__private::__weir_export_world!(WeirGuestExport with_types_in $crate::__private::bindings);
+    $crate::__private::__weir_export_world!(WeirGuestExport with_types_in $crate::__private::bindings);
         };
     };
 }
@@ -557,10 +546,7 @@ pub mod __private {
                 );
                 return vec![Err(wit::Failure::Retry(reason)); expected];
             }
-            results
-                .into_iter()
-                .map(|r| r.map_err(wit::Failure::from))
-                .collect()
+            results.into_iter().map(|r| r.map_err(wit::Failure::from)).collect()
         }
     }
 }
@@ -591,10 +577,7 @@ mod tests {
         let failure = load().unwrap_err();
         assert_eq!(failure.kind(), FailureKind::Retry);
         assert_eq!(failure.reason(), "loading the price list: connection reset");
-        assert_eq!(
-            failure.to_string(),
-            "retry: loading the price list: connection reset"
-        );
+        assert_eq!(failure.to_string(), "retry: loading the price list: connection reset");
     }
 
     #[test]
@@ -610,12 +593,7 @@ mod tests {
         assert!(failure.is_reject());
         assert!(failure.reason().contains("Order"), "{failure}");
         assert!(failure.reason().contains("invalid type"), "{failure}");
-        assert!(
-            Message::new("m", "t", vec![0xff])
-                .text()
-                .unwrap_err()
-                .is_reject()
-        );
+        assert!(Message::new("m", "t", vec![0xff]).text().unwrap_err().is_reject());
         assert_eq!(Message::new("m", "t", "hé").text().unwrap(), "hé");
     }
 
@@ -626,18 +604,12 @@ mod tests {
             .with_tenant_id("acme")
             .with_header("Weir-Attempt", "2")
             .with_attempt(2);
-        assert_eq!(
-            (msg.id(), msg.message_type(), msg.payload()),
-            ("m-1", "t", &b"p"[..])
-        );
+        assert_eq!((msg.id(), msg.message_type(), msg.payload()), ("m-1", "t", &b"p"[..]));
         assert_eq!((msg.group_id(), msg.tenant_id()), (Some("g"), Some("acme")));
         assert_eq!(msg.header("weir-attempt"), Some("2"));
         assert_eq!(msg.header("weir-group-id"), None);
         assert_eq!(msg.attempt(), 2);
-        assert_eq!(
-            Message::new("m", "t", "").with_group_id("").group_id(),
-            None
-        );
+        assert_eq!(Message::new("m", "t", "").with_group_id("").group_id(), None);
     }
 
     #[test]
@@ -695,8 +667,7 @@ mod tests {
         assert!(
             matches!(<Export<Short> as Guest>::handle(wit_message("bad")), Err(wit::Failure::Reject(r)) if r == "bad")
         );
-        let results =
-            <Export<Short> as Guest>::handle_batch(vec![wit_message("a"), wit_message("b")]);
+        let results = <Export<Short> as Guest>::handle_batch(vec![wit_message("a"), wit_message("b")]);
         assert_eq!(results.len(), 2);
         for result in results {
             assert!(

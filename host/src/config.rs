@@ -510,9 +510,9 @@ impl<'de> Deserialize<'de> for ByteSize {
             Text(String),
         }
         match Raw::deserialize(d)? {
-            Raw::Int(n) => u64::try_from(n).map(ByteSize).map_err(|_| {
-                de::Error::custom(format!("invalid size {n}: a size cannot be negative"))
-            }),
+            Raw::Int(n) => u64::try_from(n)
+                .map(ByteSize)
+                .map_err(|_| de::Error::custom(format!("invalid size {n}: a size cannot be negative"))),
             Raw::Text(t) => ByteSize::parse(&t).map_err(de::Error::custom),
         }
     }
@@ -620,10 +620,7 @@ pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         message: e.to_string().trim_end().to_string(),
     })?;
     config.origin = origin.to_string();
-    if let Some(base) = Path::new(origin)
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-    {
+    if let Some(base) = Path::new(origin).parent().filter(|p| !p.as_os_str().is_empty()) {
         config.resolve_paths(base);
     }
     config.validate()?;
@@ -643,14 +640,13 @@ fn section_at(text: &str, offset: usize) -> Option<String> {
         }
         start += line.len();
         let code = line.split('#').next().unwrap_or("").trim();
-        let (array, inner) =
-            if let Some(i) = code.strip_prefix("[[").and_then(|c| c.strip_suffix("]]")) {
-                (true, i)
-            } else if let Some(i) = code.strip_prefix('[').and_then(|c| c.strip_suffix(']')) {
-                (false, i)
-            } else {
-                continue;
-            };
+        let (array, inner) = if let Some(i) = code.strip_prefix("[[").and_then(|c| c.strip_suffix("]]")) {
+            (true, i)
+        } else if let Some(i) = code.strip_prefix('[').and_then(|c| c.strip_suffix(']')) {
+            (false, i)
+        } else {
+            continue;
+        };
         let name = inner.trim();
         let is_header = !name.is_empty()
             && name
@@ -661,10 +657,7 @@ fn section_at(text: &str, offset: usize) -> Option<String> {
         }
         // Qualify with the index of the innermost array of tables it extends.
         let (parent, leaf) = name.rsplit_once('.').map_or(("", name), |(p, l)| (p, l));
-        let qualified_parent = arrays
-            .get(parent)
-            .cloned()
-            .unwrap_or_else(|| parent.to_string());
+        let qualified_parent = arrays.get(parent).cloned().unwrap_or_else(|| parent.to_string());
         let base = if parent.is_empty() {
             leaf.to_string()
         } else {
@@ -767,9 +760,7 @@ impl Config {
                 "transport.url",
                 "is required for kind = \"rabbitmq\", e.g. url = \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
             ),
-            (TransportKind::Rabbitmq, Some(url))
-                if !(url.starts_with("amqp://") || url.starts_with("amqps://")) =>
-            {
+            (TransportKind::Rabbitmq, Some(url)) if !(url.starts_with("amqp://") || url.starts_with("amqps://")) => {
                 errors.add(
                     "transport.url",
                     format!("{url:?} is not an AMQP URL; accepted: amqp://… or amqps://…"),
@@ -814,7 +805,10 @@ impl Config {
                 let mut seen = HashSet::new();
                 for (j, slot) in slots.iter().enumerate() {
                     if !seen.insert(slot) {
-                        errors.add(format!("cluster.owned_slots[{j}]"), format!("slot {slot} is listed twice"));
+                        errors.add(
+                            format!("cluster.owned_slots[{j}]"),
+                            format!("slot {slot} is listed twice"),
+                        );
                     }
                     for t in &self.topology {
                         if *slot >= t.slots {
@@ -856,10 +850,7 @@ impl Config {
             );
         }
         if c.lease.is_zero() {
-            errors.add(
-                "cluster.lease",
-                "is 0s; accepted: a positive duration such as \"5s\"",
-            );
+            errors.add("cluster.lease", "is 0s; accepted: a positive duration such as \"5s\"");
         }
     }
 
@@ -953,10 +944,7 @@ impl Config {
                     "is empty; remove it to bind every tenant, or name one",
                 );
             }
-            let batch_types = h
-                .batch
-                .as_ref()
-                .map_or(&[][..], |b| b.message_types.as_slice());
+            let batch_types = h.batch.as_ref().map_or(&[][..], |b| b.message_types.as_slice());
             if h.message_types.is_empty() && batch_types.is_empty() {
                 errors.add(
                     format!("{key}.message_types"),
@@ -972,10 +960,7 @@ impl Config {
                 for (k, ty) in types.iter().enumerate() {
                     let type_key = format!("{key}.{field}[{k}]");
                     if ty.trim().is_empty() {
-                        errors.add(
-                            type_key,
-                            "is empty; accepted: a message type such as \"order.placed\"",
-                        );
+                        errors.add(type_key, "is empty; accepted: a message type such as \"order.placed\"");
                         continue;
                     }
                     let slot = (h.topology.as_str(), h.tenant.as_deref(), ty.as_str());
@@ -1090,10 +1075,7 @@ mod tests {
             "{:?} lacks {needle:?}",
             issues[0].message
         );
-        let rendered = parse(text, "weir.toml")
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
+        let rendered = parse(text, "weir.toml").map(|_| ()).unwrap_err().to_string();
         assert!(rendered.starts_with("weir.toml: "), "{rendered}");
         assert!(rendered.contains(key), "{rendered}");
     }
@@ -1125,12 +1107,7 @@ mod tests {
         assert_eq!(c.topology.len(), 1);
         let t = &c.topology[0];
         assert_eq!(
-            (
-                t.name.as_str(),
-                t.slots,
-                t.max_concurrent_groups,
-                t.max_unordered
-            ),
+            (t.name.as_str(), t.slots, t.max_concurrent_groups, t.max_unordered),
             ("orders", 6, 64, 16)
         );
         let p = t.retry_policy();
@@ -1139,20 +1116,13 @@ mod tests {
         assert_eq!(p.max_time_to_dead_letter, Some(Duration::from_secs(600)));
         assert_eq!(p.origin, Origin::Configured);
         let h = &c.handler[0];
-        assert_eq!(
-            h.component,
-            PathBuf::from("examples/rust/orders/orders.wasm")
-        );
+        assert_eq!(h.component, PathBuf::from("examples/rust/orders/orders.wasm"));
         assert_eq!(h.message_types, ["order.placed", "order.paid"]);
         assert_eq!(h.tenant.as_deref(), Some("acme"));
         let b = h.batch.as_ref().expect("batch");
         assert_eq!(
             (b.message_types.as_slice(), b.size, b.linger),
-            (
-                &["order.line-added".to_string()][..],
-                100,
-                Duration::from_millis(20)
-            )
+            (&["order.line-added".to_string()][..], 100, Duration::from_millis(20))
         );
         assert_eq!(h.limits.memory, ByteSize(64 << 20));
         assert_eq!(h.limits.timeout, Duration::from_secs(5));
@@ -1187,27 +1157,16 @@ mod tests {
         assert_eq!(h.limits.memory, defaults::MEMORY);
         assert_eq!(h.limits.max_stack, None);
         assert_eq!(h.instance_mode, InstanceMode::Reuse);
-        assert!(
-            !h.wasi.inherit_stdio
-                && !h.wasi.network
-                && h.wasi.env.is_empty()
-                && h.wasi.preopens.is_empty()
-        );
+        assert!(!h.wasi.inherit_stdio && !h.wasi.network && h.wasi.env.is_empty() && h.wasi.preopens.is_empty());
         assert_eq!(c.transport.prefetch, defaults::PREFETCH);
         // a partial retry section keeps the other defaults but counts as configured
         let c = parse(
-            &base("").replace(
-                "slots = 4\n",
-                "slots = 4\n[topology.retry]\nmax_deliver = 9\n",
-            ),
+            &base("").replace("slots = 4\n", "slots = 4\n[topology.retry]\nmax_deliver = 9\n"),
             "<inline>",
         )
         .expect("valid");
         let p = c.topology[0].retry_policy();
-        assert_eq!(
-            (p.ladder.len(), p.max_deliver, p.origin),
-            (3, 9, Origin::Configured)
-        );
+        assert_eq!((p.ladder.len(), p.max_deliver, p.origin), (3, 9, Origin::Configured));
     }
 
     #[test]
@@ -1247,10 +1206,7 @@ mod tests {
         assert_eq!(c.origin, path.display().to_string());
         let missing = dir.join("missing.toml");
         let err = load(&missing).expect_err("missing file").to_string();
-        assert!(
-            err.contains("missing.toml") && err.contains("cannot read"),
-            "{err}"
-        );
+        assert!(err.contains("missing.toml") && err.contains("cannot read"), "{err}");
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
@@ -1267,15 +1223,7 @@ mod tests {
         ] {
             assert_eq!(ByteSize::parse(text), Ok(ByteSize(bytes)), "{text}");
         }
-        for bad in [
-            "",
-            "MiB",
-            "64MB",
-            "64 mib",
-            "-1",
-            "1.5GiB",
-            "99999999999999TiB",
-        ] {
+        for bad in ["", "MiB", "64MB", "64 mib", "-1", "1.5GiB", "99999999999999TiB"] {
             assert!(ByteSize::parse(bad).is_err(), "{bad}");
         }
         assert!(ByteSize::parse("64MB").unwrap_err().contains("KiB, MiB"));
@@ -1296,10 +1244,7 @@ mod tests {
             "{e}"
         );
         let e = syntax("[[topology]]\nname = \"a\"\nslots = 1\n[topology.retry]\nladdder = []\n");
-        assert!(
-            e.contains("in topology[0].retry:") && e.contains("laddder"),
-            "{e}"
-        );
+        assert!(e.contains("in topology[0].retry:") && e.contains("laddder"), "{e}");
     }
 
     #[test]
@@ -1320,9 +1265,7 @@ mod tests {
             e.contains("in cluster:") && e.contains("5 parsecs") && e.contains("\"5s\""),
             "{e}"
         );
-        let e = syntax(
-            "[[topology]]\nname = \"a\"\nslots = 1\nretry = { ladder = [\"1s\", \"soon\"] }\n",
-        );
+        let e = syntax("[[topology]]\nname = \"a\"\nslots = 1\nretry = { ladder = [\"1s\", \"soon\"] }\n");
         assert!(e.contains("ladder[1]") && e.contains("soon"), "{e}");
     }
 
@@ -1330,10 +1273,7 @@ mod tests {
     fn unknown_enum_values_list_the_accepted_ones() {
         let e = syntax("[transport]\nkind = \"kafka\"\n");
         assert!(
-            e.contains("kafka")
-                && e.contains("memory")
-                && e.contains("rabbitmq")
-                && e.contains("nats"),
+            e.contains("kafka") && e.contains("memory") && e.contains("rabbitmq") && e.contains("nats"),
             "{e}"
         );
         let e = syntax("[cluster]\nmode = \"raft\"\n");
@@ -1345,20 +1285,14 @@ mod tests {
     #[test]
     fn non_string_handler_config_value_names_the_key() {
         let e = syntax(&base("config = { currency = \"EUR\", retries = 3 }\n"));
-        assert!(
-            e.contains("config.retries") && e.contains("retries = \"3\""),
-            "{e}"
-        );
+        assert!(e.contains("config.retries") && e.contains("retries = \"3\""), "{e}");
         assert!(e.contains("in handler[0]"), "{e}");
     }
 
     #[test]
     fn invalid_toml_keeps_line_and_column() {
         let e = syntax("[node\nname = 1\n");
-        assert!(
-            e.starts_with("conf/weir.toml: ") && e.contains("line 1"),
-            "{e}"
-        );
+        assert!(e.starts_with("conf/weir.toml: ") && e.contains("line 1"), "{e}");
     }
 
     // ---- validation errors: each names its key ----
@@ -1439,8 +1373,7 @@ mod tests {
             "is empty",
         );
         // batch-only handlers are fine
-        let text =
-            base("batch = { message_types = [\"b\"] }\n").replace("message_types = [\"a\"]\n", "");
+        let text = base("batch = { message_types = [\"b\"] }\n").replace("message_types = [\"a\"]\n", "");
         assert!(parse(&text, "<inline>").is_ok());
     }
 
@@ -1486,11 +1419,7 @@ mod tests {
 
     #[test]
     fn zero_limits() {
-        assert_one(
-            &base("limits = { memory = 0 }\n"),
-            "handler[0].limits.memory",
-            "64MiB",
-        );
+        assert_one(&base("limits = { memory = 0 }\n"), "handler[0].limits.memory", "64MiB");
         assert_one(
             &base("limits = { timeout = \"0s\" }\n"),
             "handler[0].limits.timeout",
@@ -1578,10 +1507,7 @@ mod tests {
     #[test]
     fn postgres_mode_needs_database_url() {
         assert_one(
-            &base("").replace(
-                "[[topology]]",
-                "[cluster]\nmode = \"postgres\"\n[[topology]]",
-            ),
+            &base("").replace("[[topology]]", "[cluster]\nmode = \"postgres\"\n[[topology]]"),
             "cluster.database_url",
             "postgres://",
         );
@@ -1598,10 +1524,7 @@ mod tests {
     #[test]
     fn brokers_need_a_url() {
         assert_one(
-            &base("").replace(
-                "[[topology]]",
-                "[transport]\nkind = \"rabbitmq\"\n[[topology]]",
-            ),
+            &base("").replace("[[topology]]", "[transport]\nkind = \"rabbitmq\"\n[[topology]]"),
             "transport.url",
             "amqp://",
         );
@@ -1662,10 +1585,7 @@ mod tests {
     #[test]
     fn rabbitmq_sac_needs_rabbitmq() {
         assert_one(
-            &base("").replace(
-                "[[topology]]",
-                "[cluster]\nmode = \"rabbitmq-sac\"\n[[topology]]",
-            ),
+            &base("").replace("[[topology]]", "[cluster]\nmode = \"rabbitmq-sac\"\n[[topology]]"),
             "cluster.mode",
             "transport.kind = \"rabbitmq\"",
         );
@@ -1673,11 +1593,7 @@ mod tests {
 
     #[test]
     fn empty_node_name() {
-        assert_one(
-            &format!("[node]\nname = \"\"\n{}", base("")),
-            "node.name",
-            "non-empty",
-        );
+        assert_one(&format!("[node]\nname = \"\"\n{}", base("")), "node.name", "non-empty");
     }
 
     #[test]
@@ -1696,10 +1612,7 @@ mod tests {
 
     #[test]
     fn retry_zero_rung_and_time_bound() {
-        let text = base("").replace(
-            "slots = 4",
-            "slots = 4\n[topology.retry]\nladder = [\"1s\", \"0s\"]\n",
-        );
+        let text = base("").replace("slots = 4", "slots = 4\n[topology.retry]\nladder = [\"1s\", \"0s\"]\n");
         assert_one(&text, "topology[0].retry.ladder[1]", "positive");
         let text = base("").replace(
             "slots = 4",
@@ -1752,10 +1665,7 @@ mod tests {
         let issues = invalid(&text);
         let keys: Vec<&str> = issues.iter().map(|v| v.key.as_str()).collect();
         assert_eq!(keys, ["topology[0].slots", "handler[0].limits.instances"]);
-        let rendered = parse(&text, "weir.toml")
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
+        let rendered = parse(&text, "weir.toml").map(|_| ()).unwrap_err().to_string();
         assert_eq!(rendered.lines().count(), 3, "{rendered}");
     }
 

@@ -111,14 +111,40 @@ impl std::fmt::Display for DemoSummary {
         let dl: u64 = self.dead_lettered.iter().map(|(_, n)| n).sum();
         let reasons: Vec<String> = self.dead_lettered.iter().map(|(r, n)| format!("{r} {n}")).collect();
         writeln!(f, "Weir demo summary")?;
-        writeln!(f, "  published              {:>8}   (+{} cascaded order.accepted)", self.published, self.cascaded)?;
+        writeln!(
+            f,
+            "  published              {:>8}   (+{} cascaded order.accepted)",
+            self.published, self.cascaded
+        )?;
         writeln!(f, "  handled                {:>8}", self.handled)?;
-        writeln!(f, "  retried                {:>8}   (retries scheduled on the ladder)", self.retried)?;
-        writeln!(f, "  dead-lettered          {:>8}   ({}; expected {})", dl, reasons.join(", "), self.expected_dead_letters)?;
-        writeln!(f, "  groups                 {:>8}   (peak {} running at once)", self.groups, self.peak_parallel_groups)?;
+        writeln!(
+            f,
+            "  retried                {:>8}   (retries scheduled on the ladder)",
+            self.retried
+        )?;
+        writeln!(
+            f,
+            "  dead-lettered          {:>8}   ({}; expected {})",
+            dl,
+            reasons.join(", "),
+            self.expected_dead_letters
+        )?;
+        writeln!(
+            f,
+            "  groups                 {:>8}   (peak {} running at once)",
+            self.groups, self.peak_parallel_groups
+        )?;
         writeln!(f, "  intra-group overlaps   {:>8}   (must be 0)", self.overlaps)?;
-        writeln!(f, "  out-of-order starts    {:>8}   (retries may reorder a group: best effort)", self.out_of_order)?;
-        writeln!(f, "  lost                   {:>8}   (ids with no final outcome; must be 0)", self.lost)?;
+        writeln!(
+            f,
+            "  out-of-order starts    {:>8}   (retries may reorder a group: best effort)",
+            self.out_of_order
+        )?;
+        writeln!(
+            f,
+            "  lost                   {:>8}   (ids with no final outcome; must be 0)",
+            self.lost
+        )?;
         writeln!(f, "  left on broker         {:>8}", self.left_on_broker)?;
         writeln!(f, "  stranded / uncertain   {:>8} / {}", self.stranded, self.uncertain)?;
         writeln!(f, "  elapsed                {:>8.2} s", self.elapsed.as_secs_f64())?;
@@ -129,17 +155,28 @@ impl std::fmt::Display for DemoSummary {
 fn demo_config(o: &DemoOptions) -> Config {
     let mut topology = config::Topology::new("orders", o.slots);
     topology.retry = Some(RetrySection {
-        ladder: Some(vec![Duration::from_millis(50), Duration::from_millis(100), Duration::from_millis(200)]),
+        ladder: Some(vec![
+            Duration::from_millis(50),
+            Duration::from_millis(100),
+            Duration::from_millis(200),
+        ]),
         max_deliver: Some(5),
         max_time_to_dead_letter: None,
     });
-    let mut orders =
-        config::Handler::new("orders", "bundled:orders", "orders", vec!["order.placed".into(), "order.paid".into()]);
+    let mut orders = config::Handler::new(
+        "orders",
+        "bundled:orders",
+        "orders",
+        vec!["order.placed".into(), "order.paid".into()],
+    );
     orders.tenant = Some("acme".into());
     orders.config.insert("currency".into(), "EUR".into());
     let notify = config::Handler::new("notify", "bundled:noop", "orders", vec!["order.accepted".into()]);
     Config {
-        node: config::Node { name: "demo".into(), admin: None },
+        node: config::Node {
+            name: "demo".into(),
+            admin: None,
+        },
         transport: config::Transport::default(),
         cluster: config::Cluster::default(),
         topology: vec![topology],
@@ -156,9 +193,17 @@ fn generate(o: &DemoOptions, g: u32, seq: u32, n: u64) -> (&'static str, Vec<u8>
         return ("order.refunded", br#"{"order_id":"r"}"#.to_vec(), true);
     }
     if every(o.malformed_every) {
-        return ("order.placed", br#"{"order_id": "broken", "lines": [ {"sku": "#.to_vec(), true);
+        return (
+            "order.placed",
+            br#"{"order_id": "broken", "lines": [ {"sku": "#.to_vec(),
+            true,
+        );
     }
-    let simulate = if every(o.transient_every) { r#","simulate":"transient""# } else { "" };
+    let simulate = if every(o.transient_every) {
+        r#","simulate":"transient""#
+    } else {
+        ""
+    };
     let body = format!(
         r#"{{"order_id":"c{g}-o{seq}","customer":"customer-{g}","currency":"EUR","lines":[{{"sku":"sku-{}","qty":{},"unit_price_cents":{}}}]{simulate}}}"#,
         n % 97,
@@ -179,11 +224,17 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<DemoSummary> {
         ..NodeOptions::default()
     };
     let transport: Arc<dyn Transport> = Arc::new(broker.clone());
-    let node = Node::start(&config, transport, opts).await.context("starting the demo node")?;
+    let node = Node::start(&config, transport, opts)
+        .await
+        .context("starting the demo node")?;
     let stats = node.stats();
 
     let total = u64::from(o.groups) * u64::from(o.per_group);
-    let bar = if o.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
+    let bar = if o.progress {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("{spinner} {prefix:>10} [{bar:40}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -207,7 +258,9 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<DemoSummary> {
                 vec![(SEQ_HEADER.into(), seq.to_string())],
                 payload,
             );
-            node.publish("orders", &env).await.with_context(|| format!("publishing demo message {n}"))?;
+            node.publish("orders", &env)
+                .await
+                .with_context(|| format!("publishing demo message {n}"))?;
             ids.push(env.id);
             n += 1;
             if n.is_multiple_of(500) {

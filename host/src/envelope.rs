@@ -150,7 +150,10 @@ pub fn encode(env: &Envelope) -> Wire {
             .filter(|(k, _)| !header::DERIVED.contains(&k.as_str()))
             .cloned(),
     );
-    Wire { headers, body: env.payload.clone() }
+    Wire {
+        headers,
+        body: env.payload.clone(),
+    }
 }
 
 /// A fresh envelope for a new message (attempt 1).
@@ -245,9 +248,13 @@ mod tests {
     fn missing_type_and_bad_attempt_are_named() {
         let err = decode(wire(&[]), || "x".into(), None).err().map(|e| e.1);
         assert_eq!(err, Some(DecodeError::Missing(header::MESSAGE_TYPE)));
-        let err = decode(wire(&[(header::MESSAGE_TYPE, "t"), (header::ATTEMPT, "zero")]), || "x".into(), None)
-            .err()
-            .map(|e| e.1.to_string());
+        let err = decode(
+            wire(&[(header::MESSAGE_TYPE, "t"), (header::ATTEMPT, "zero")]),
+            || "x".into(),
+            None,
+        )
+        .err()
+        .map(|e| e.1.to_string());
         assert!(err.is_some_and(|e| e.contains("weir-attempt") && e.contains("zero")));
     }
 

@@ -306,11 +306,24 @@ impl SlotRunner {
 }
 
 async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
-    let Delivery { message, source, tag, acker } = d;
+    let Delivery {
+        message,
+        source,
+        tag,
+        acker,
+    } = d;
     let Err((wire, err)) = message else { return };
     let error = err.to_string();
-    let prov = Provenance { reason: Reason::Undecodable, error: &error, source: &source, handler: None, tag: &tag };
-    let id = wire.header(envelope::header::MESSAGE_ID).map_or_else(|| tag.clone(), str::to_owned);
+    let prov = Provenance {
+        reason: Reason::Undecodable,
+        error: &error,
+        source: &source,
+        handler: None,
+        tag: &tag,
+    };
+    let id = wire
+        .header(envelope::header::MESSAGE_ID)
+        .map_or_else(|| tag.clone(), str::to_owned);
     let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Raw(wire), acker, &prov).await;
     p.record(&id, outcome);
 }
@@ -327,7 +340,12 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
     let mut items = Vec::with_capacity(run.len());
     let mut pending = Vec::with_capacity(run.len());
     for d in run {
-        let Delivery { message, source, tag, acker } = d;
+        let Delivery {
+            message,
+            source,
+            tag,
+            acker,
+        } = d;
         let env = match message {
             Ok(env) => env,
             Err(_) => continue, // undecodable deliveries never reach a lane
@@ -335,7 +353,12 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
         match p.router.route(&s.topology, &env) {
             Some(handler) => {
                 items.push((handler.clone(), env));
-                pending.push(Pending { acker, source, tag, handler });
+                pending.push(Pending {
+                    acker,
+                    source,
+                    tag,
+                    handler,
+                });
             }
             None => {
                 let error = format!(
@@ -344,8 +367,21 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
                     env.tenant_id.as_deref().unwrap_or("none"),
                     s.topology
                 );
-                let prov = Provenance { reason: Reason::NoHandler, error: &error, source: &source, handler: None, tag: &tag };
-                let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(&env), acker, &prov).await;
+                let prov = Provenance {
+                    reason: Reason::NoHandler,
+                    error: &error,
+                    source: &source,
+                    handler: None,
+                    tag: &tag,
+                };
+                let outcome = capture::capture(
+                    p.transport.as_ref(),
+                    &s.topology,
+                    Captured::Envelope(&env),
+                    acker,
+                    &prov,
+                )
+                .await;
                 p.record(&env.id, outcome);
             }
         }
@@ -388,21 +424,30 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
 
 /// Turn a call's outcome into a settled delivery.
 async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutcome, pend: Pending) -> Outcome {
-    let Pending { acker, source, tag, handler } = pend;
+    let Pending {
+        acker,
+        source,
+        tag,
+        handler,
+    } = pend;
     let (error, final_reason) = match outcome {
-        CallOutcome::Done { result: Ok(()), published } => {
-            match publish_cascades(p, s, published.into_iter().map(|o| o.envelope)).await {
-                Ok(()) => {
-                    if let Err(e) = acker.settle(Disposition::Ack).await {
-                        p.stats.ack_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");
-                    }
-                    return Outcome::Handled;
+        CallOutcome::Done {
+            result: Ok(()),
+            published,
+        } => match publish_cascades(p, s, published.into_iter().map(|o| o.envelope)).await {
+            Ok(()) => {
+                if let Err(e) = acker.settle(Disposition::Ack).await {
+                    p.stats.ack_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");
                 }
-                Err(e) => (format!("cascaded publish failed: {e}"), Reason::Exhausted),
+                return Outcome::Handled;
             }
-        }
-        CallOutcome::Done { result: Err(Failure::Reject(reason)), .. } => {
+            Err(e) => (format!("cascaded publish failed: {e}"), Reason::Exhausted),
+        },
+        CallOutcome::Done {
+            result: Err(Failure::Reject(reason)),
+            ..
+        } => {
             let digest = handler.digest.as_str();
             let prov = Provenance {
                 reason: Reason::Rejected,
@@ -411,9 +456,19 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
                 handler: Some((handler.name(), digest)),
                 tag: &tag,
             };
-            return capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(&env), acker, &prov).await;
+            return capture::capture(
+                p.transport.as_ref(),
+                &s.topology,
+                Captured::Envelope(&env),
+                acker,
+                &prov,
+            )
+            .await;
         }
-        CallOutcome::Done { result: Err(Failure::Retry(reason)), .. } => (reason, Reason::Exhausted),
+        CallOutcome::Done {
+            result: Err(Failure::Retry(reason)),
+            ..
+        } => (reason, Reason::Exhausted),
         CallOutcome::Fault(f) => {
             p.stats.faults.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::warn!(handler = handler.name(), message = %env.id, attempt = env.attempt, fault = %f, "guest fault");
@@ -451,7 +506,14 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
                 handler: Some((handler.name(), digest)),
                 tag: &tag,
             };
-            capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(&env), acker, &prov).await
+            capture::capture(
+                p.transport.as_ref(),
+                &s.topology,
+                Captured::Envelope(&env),
+                acker,
+                &prov,
+            )
+            .await
         }
     }
 }

@@ -104,7 +104,10 @@ impl CallObserver for Ledger {
 
 impl SettleObserver for Ledger {
     fn settled(&self, id: &str, outcome: Outcome) {
-        if matches!(outcome, Outcome::Handled | Outcome::DeadLettered(_) | Outcome::Uncertain) {
+        if matches!(
+            outcome,
+            Outcome::Handled | Outcome::DeadLettered(_) | Outcome::Uncertain
+        ) {
             self.outcomes.lock().insert(id.to_owned(), outcome);
         }
     }

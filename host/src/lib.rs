@@ -5,8 +5,8 @@
 pub mod config;
 pub mod demo;
 pub mod envelope;
-pub mod ledger;
 pub mod lanes;
+pub mod ledger;
 pub mod node;
 pub mod partition;
 pub mod retry;

@@ -80,13 +80,20 @@ fn main() -> ExitCode {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo { groups, per_group } => {
-            let opts = DemoOptions { groups, per_group, ..DemoOptions::default() };
+            let opts = DemoOptions {
+                groups,
+                per_group,
+                ..DemoOptions::default()
+            };
             let summary = runtime()?.block_on(demo::run(opts))?;
             println!("{summary}");
             if summary.ok() {
@@ -114,7 +121,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Schedule { command: ScheduleCommand::Check { config } } => schedule_check(&config),
+        Command::Schedule {
+            command: ScheduleCommand::Check { config },
+        } => schedule_check(&config),
     }
 }
 
@@ -151,9 +160,16 @@ fn schedule_check(path: &std::path::Path) -> anyhow::Result<ExitCode> {
             "topology `{}` on {} (max_deliver {}):",
             t.name,
             cfg.transport.kind.as_str(),
-            if policy.max_deliver <= 0 { "unlimited".to_string() } else { policy.max_deliver.to_string() }
+            if policy.max_deliver <= 0 {
+                "unlimited".to_string()
+            } else {
+                policy.max_deliver.to_string()
+            }
         );
-        println!("  {:>8}  {:>12}  {:>12}  role", "delivery", "delay before", "cumulative");
+        println!(
+            "  {:>8}  {:>12}  {:>12}  role",
+            "delivery", "delay before", "cumulative"
+        );
         let rows = schedule.table(u32::try_from(policy.ladder.len()).unwrap_or(8).saturating_add(3).max(6));
         for r in &rows {
             println!(

@@ -95,13 +95,22 @@ pub fn handler_settings(h: &config::Handler) -> HandlerSettings {
     s.config = h.config.clone();
     s.max_instances = h.limits.instances as usize;
     s.wasi = runtime::WasiGrants {
-        env: h.wasi.env.iter().filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v))).collect(),
+        env: h
+            .wasi
+            .env
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v)))
+            .collect(),
         inherit_stdio: h.wasi.inherit_stdio,
         preopens: h
             .wasi
             .preopens
             .iter()
-            .map(|p| runtime::Preopen { host: p.host.clone(), guest: p.guest.clone(), read_only: p.read_only })
+            .map(|p| runtime::Preopen {
+                host: p.host.clone(),
+                guest: p.guest.clone(),
+                read_only: p.read_only,
+            })
             .collect(),
         network: h.wasi.network,
     };
@@ -124,10 +133,21 @@ impl Node {
     /// Load handlers, declare topologies, and start consuming the owned slots.
     pub async fn start(config: &Config, transport: Arc<dyn Transport>, opts: NodeOptions) -> anyhow::Result<Self> {
         let mut rt_opts = opts.runtime.clone();
-        let largest = config.handler.iter().map(|h| h.limits.memory.bytes()).max().unwrap_or(0);
+        let largest = config
+            .handler
+            .iter()
+            .map(|h| h.limits.memory.bytes())
+            .max()
+            .unwrap_or(0);
         rt_opts.max_memory = rt_opts.max_memory.max(usize::try_from(largest).unwrap_or(usize::MAX));
         // The Wasm stack limit is engine-wide: the largest any handler asks for.
-        if let Some(stack) = config.handler.iter().filter_map(|h| h.limits.max_stack).map(|b| b.bytes()).max() {
+        if let Some(stack) = config
+            .handler
+            .iter()
+            .filter_map(|h| h.limits.max_stack)
+            .map(|b| b.bytes())
+            .max()
+        {
             rt_opts.max_wasm_stack = usize::try_from(stack).unwrap_or(usize::MAX);
         }
         let runtime = match opts.call_observer.clone() {
@@ -143,12 +163,16 @@ impl Node {
             let version = runtime.load(&bytes, handler_settings(h), &origin)?;
             tracing::info!(handler = %h.name, digest = %version.digest, bytes = version.size, "handler loaded");
             versions.push(version);
-            let types = h.message_types.iter().chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
+            let types = h
+                .message_types
+                .iter()
+                .chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
             for t in types {
                 if let Some(prev) = router.bind(&h.topology, h.tenant.as_deref(), t, &h.name)
-                    && prev != h.name {
-                        bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
-                    }
+                    && prev != h.name
+                {
+                    bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
+                }
             }
         }
         for v in versions {
@@ -170,15 +194,23 @@ impl Node {
         let mut owned = Vec::new();
         for (ti, t) in config.topology.iter().enumerate() {
             transport
-                .declare(&TopologySpec { name: t.name.clone(), slots: t.slots })
+                .declare(&TopologySpec {
+                    name: t.name.clone(),
+                    slots: t.slots,
+                })
                 .await
                 .with_context(|| format!("declaring topology[{ti}] `{}` on {}", t.name, transport.system()))?;
             topologies.insert(t.name.clone(), t.slots);
             let slots: Vec<u32> = match config.cluster.mode {
                 ClusterMode::Solo => (0..t.slots).collect(),
-                ClusterMode::Static => {
-                    config.cluster.owned_slots.iter().flatten().copied().filter(|s| *s < t.slots).collect()
-                }
+                ClusterMode::Static => config
+                    .cluster
+                    .owned_slots
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .filter(|s| *s < t.slots)
+                    .collect(),
                 other => bail!(
                     "{}: cluster.mode = \"{}\" needs a coordinator that this build does not have yet; accepted: \"solo\", \"static\"",
                     config.origin,
@@ -207,7 +239,13 @@ impl Node {
             }
         }
         tracing::info!(node = %config.node.name, slots = owned.len(), transport = transport.system(), "node started");
-        Ok(Self { pipeline, stop, runners, topologies, owned })
+        Ok(Self {
+            pipeline,
+            stop,
+            runners,
+            topologies,
+            owned,
+        })
     }
 
     /// Outcome counters.
@@ -240,7 +278,12 @@ impl Node {
 
 /// Publish `env` through `transport` to the slot of its group (or of its id
 /// when it has none), waiting for the broker's confirm.
-pub async fn publish(transport: &dyn Transport, topology: &str, slots: u32, env: &Envelope) -> Result<(), TransportError> {
+pub async fn publish(
+    transport: &dyn Transport,
+    topology: &str,
+    slots: u32,
+    env: &Envelope,
+) -> Result<(), TransportError> {
     let slot = partition::slot_for(env.group(), &env.id, slots);
     transport.publish(topology, slot, envelope::encode(env)).await
 }

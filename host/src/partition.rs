@@ -62,10 +62,7 @@ mod tests {
     use proptest::prelude::*;
 
     /// The shared vectors: `shared/` sits beside the repository clone (locally and in CI).
-    const VECTORS: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/slot-hash-vectors.json"
-    );
+    const VECTORS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/slot-hash-vectors.json");
 
     fn vectors() -> serde_json::Value {
         let text = std::fs::read_to_string(VECTORS)
@@ -81,8 +78,7 @@ mod tests {
         let mut checked = 0;
         for v in list {
             let group = v["group_id"].as_str().expect("group_id is a string");
-            let fnv = u64::from_str_radix(v["fnv1a64"].as_str().expect("fnv1a64 string"), 16)
-                .expect("fnv1a64 is hex");
+            let fnv = u64::from_str_radix(v["fnv1a64"].as_str().expect("fnv1a64 string"), 16).expect("fnv1a64 is hex");
             assert_eq!(fnv1a_64(group.as_bytes()), fnv, "fnv1a_64({group:?})");
             let slots = v["slot"].as_object().expect("slot is an object");
             assert!(!slots.is_empty(), "no slots for {group:?}");
@@ -118,10 +114,7 @@ mod tests {
         for n in [1, 2, 6, 64, 1024] {
             assert_eq!(slot_for(None, "msg-17", n), slot_of("msg-17", n));
             assert_eq!(slot_for(Some(""), "msg-17", n), slot_of("msg-17", n));
-            assert_eq!(
-                slot_for(Some("order-1"), "msg-17", n),
-                slot_of("order-1", n)
-            );
+            assert_eq!(slot_for(Some("order-1"), "msg-17", n), slot_of("order-1", n));
         }
         assert_eq!(group_key(Some("")), None);
         assert_eq!(group_key(None), None);

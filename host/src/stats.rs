@@ -96,7 +96,10 @@ impl Snapshot {
 
     /// Dead letters for one reason.
     pub fn dead_lettered(&self, reason: Reason) -> u64 {
-        self.dead_lettered.iter().find(|(r, _)| *r == reason).map_or(0, |(_, n)| *n)
+        self.dead_lettered
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or(0, |(_, n)| *n)
     }
 
     /// Deliveries that reached a final state (handled or captured).

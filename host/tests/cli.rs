@@ -15,7 +15,11 @@ fn write_config(text: &str) -> tempfile::NamedTempFile {
 }
 
 fn weir(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(WEIR).args(args).env("RUST_LOG", "warn,weir=info").output().unwrap();
+    let out = Command::new(WEIR)
+        .args(args)
+        .env("RUST_LOG", "warn,weir=info")
+        .output()
+        .unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -72,7 +76,10 @@ fn bad_value_says_what_would_be_accepted() {
     let f = write_config(&format!("{GOOD}limits = {{ memory = \"64MB\" }}\n"));
     let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
     assert_eq!(code, 1);
-    assert!(err.contains("handler[0]") && err.contains("64MB") && err.contains("MiB"), "{err}");
+    assert!(
+        err.contains("handler[0]") && err.contains("64MB") && err.contains("MiB"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -80,7 +87,10 @@ fn missing_component_names_the_key_and_file() {
     let f = write_config(&GOOD.replace("bundled:orders", "/nonexistent/orders.wasm"));
     let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
     assert_eq!(code, 1);
-    assert!(err.contains("handler[0].component") && err.contains("/nonexistent/orders.wasm"), "{err}");
+    assert!(
+        err.contains("handler[0].component") && err.contains("/nonexistent/orders.wasm"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -94,7 +104,9 @@ fn a_file_that_is_not_a_component_is_refused_at_start() {
 
 #[test]
 fn unsupported_modes_are_refused_with_the_key() {
-    let f = write_config(&format!("[transport]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n{GOOD}"));
+    let f = write_config(&format!(
+        "[transport]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n{GOOD}"
+    ));
     let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
     assert_eq!(code, 1);
     assert!(err.contains("transport.kind"), "{err}");

@@ -24,10 +24,17 @@ fn config(slots: u32, max_groups: u32) -> Config {
     let mut t = config::Topology::new(TOPO, slots);
     t.max_concurrent_groups = max_groups;
     t.max_unordered = max_groups;
-    t.retry = Some(RetrySection { ladder: Some(vec![Duration::from_millis(20)]), max_deliver: Some(3), ..Default::default() });
+    t.retry = Some(RetrySection {
+        ladder: Some(vec![Duration::from_millis(20)]),
+        max_deliver: Some(3),
+        ..Default::default()
+    });
     let h = config::Handler::new("faulty", bundled::FAULTY_PATH, TOPO, vec!["slow".into(), "ok".into()]);
     Config {
-        node: config::Node { name: "lanes-test".into(), admin: None },
+        node: config::Node {
+            name: "lanes-test".into(),
+            admin: None,
+        },
         transport: config::Transport::default(),
         cluster: config::Cluster::default(),
         topology: vec![t],
@@ -50,7 +57,10 @@ fn slow(group: Option<&str>, ms: u64, seq: u64) -> Envelope {
 async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -116,7 +126,9 @@ async fn run_groups(bypass_lanes: bool, hold: Duration) -> Run {
         bypass_lanes,
         ..NodeOptions::default()
     };
-    let node = Node::start(&config(1, 8), Arc::new(broker.clone()), opts).await.unwrap();
+    let node = Node::start(&config(1, 8), Arc::new(broker.clone()), opts)
+        .await
+        .unwrap();
     let groups = ["g-a", "g-b", "g-c", "g-d"];
     let per_group = 4u64;
     // Group-major, so that without lanes two messages of one group are next
@@ -133,7 +145,11 @@ async fn run_groups(bypass_lanes: bool, hold: Duration) -> Run {
     })
     .await;
     node.shutdown().await.unwrap();
-    Run { overlaps: ledger.overlaps(), peak_groups: ledger.peak_groups(), handled: stats.handled.load(Ordering::Relaxed) }
+    Run {
+        overlaps: ledger.overlaps(),
+        peak_groups: ledger.peak_groups(),
+        handled: stats.handled.load(Ordering::Relaxed),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -141,7 +157,11 @@ async fn lanes_never_overlap_a_group_and_run_groups_in_parallel() {
     let run = run_groups(false, Duration::from_millis(30)).await;
     assert_eq!(run.handled, 16);
     assert_eq!(run.overlaps, 0, "two calls of one group ran at once");
-    assert!(run.peak_groups >= 2, "different groups never ran in parallel (peak {})", run.peak_groups);
+    assert!(
+        run.peak_groups >= 2,
+        "different groups never ran in parallel (peak {})",
+        run.peak_groups
+    );
 }
 
 /// Red baseline: the same scenario with the lanes bypassed must make the
@@ -190,7 +210,9 @@ async fn drain_waits_for_every_lane_kind() {
             settle_observer: Some(ledger.clone()),
             ..NodeOptions::default()
         };
-        let node = Node::start(&config(1, 8), Arc::new(broker.clone()), opts).await.unwrap();
+        let node = Node::start(&config(1, 8), Arc::new(broker.clone()), opts)
+            .await
+            .unwrap();
         let work = Duration::from_millis(400);
         let id = match kind {
             LaneKind::Grouped => {
@@ -205,8 +227,14 @@ async fn drain_waits_for_every_lane_kind() {
             }
             LaneKind::Capture => {
                 // An undecodable message whose capture takes `work`.
-                broker.faults().dead_letter_delay_ms.store(work.as_millis() as u64, Ordering::Relaxed);
-                let wire = Wire { headers: vec![("weir-message-id".into(), "raw-1".into())], body: b"?".to_vec() };
+                broker
+                    .faults()
+                    .dead_letter_delay_ms
+                    .store(work.as_millis() as u64, Ordering::Relaxed);
+                let wire = Wire {
+                    headers: vec![("weir-message-id".into(), "raw-1".into())],
+                    body: b"?".to_vec(),
+                };
                 broker.publish(TOPO, 0, wire).await.unwrap();
                 "raw-1".to_owned()
             }
@@ -219,14 +247,24 @@ async fn drain_waits_for_every_lane_kind() {
         let reports = node.shutdown().await.unwrap();
         let took = started.elapsed();
         let drained: Vec<LaneKind> = reports.iter().flat_map(|r| r.drained.clone()).collect();
-        assert!(drained.contains(&kind), "{kind:?}: the drain did not wait for it (drained {drained:?})");
+        assert!(
+            drained.contains(&kind),
+            "{kind:?}: the drain did not wait for it (drained {drained:?})"
+        );
         let outcome = ledger.outcomes().get(&id).copied();
         let expected = match kind {
             LaneKind::Capture => Some(Outcome::DeadLettered(Reason::Undecodable)),
             LaneKind::Grouped | LaneKind::Unordered => Some(Outcome::Handled),
         };
-        let wire_id = if kind == LaneKind::Capture { "raw-1" } else { id.as_str() };
-        assert_eq!(outcome, expected, "{kind:?}: message {wire_id} not settled when the drain returned");
+        let wire_id = if kind == LaneKind::Capture {
+            "raw-1"
+        } else {
+            id.as_str()
+        };
+        assert_eq!(
+            outcome, expected,
+            "{kind:?}: message {wire_id} not settled when the drain returned"
+        );
         assert_eq!(broker.total_depth(TOPO), 0, "{kind:?}: left on the broker");
         assert!(took < work * 3, "{kind:?}: drain took {took:?}");
     }
@@ -245,13 +283,17 @@ async fn drain_releases_unstarted_messages_to_the_next_owner() {
         max_run: 1,
         ..NodeOptions::default()
     };
-    let node = Node::start(&config(1, 1), Arc::new(broker.clone()), opts.clone()).await.unwrap();
+    let node = Node::start(&config(1, 1), Arc::new(broker.clone()), opts.clone())
+        .await
+        .unwrap();
     for seq in 0..5 {
         node.publish(TOPO, &slow(Some("g"), 200, seq)).await.unwrap();
     }
-    wait_until("the first call, with all five delivered to the runner", Duration::from_secs(10), || {
-        ledger.calls() == 1 && broker.unacked(TOPO) == 5
-    })
+    wait_until(
+        "the first call, with all five delivered to the runner",
+        Duration::from_secs(10),
+        || ledger.calls() == 1 && broker.unacked(TOPO) == 5,
+    )
     .await;
     let reports = node.shutdown().await.unwrap();
     let released: u64 = reports.iter().map(|r| r.released).sum();
@@ -259,7 +301,9 @@ async fn drain_releases_unstarted_messages_to_the_next_owner() {
     assert_eq!(broker.total_depth(TOPO), 4, "released messages must stay on the broker");
     assert_eq!(broker.unacked(TOPO), 0);
 
-    let node = Node::start(&config(1, 1), Arc::new(broker.clone()), opts).await.unwrap();
+    let node = Node::start(&config(1, 1), Arc::new(broker.clone()), opts)
+        .await
+        .unwrap();
     let stats = node.stats();
     wait_until("the rest handled by the next owner", Duration::from_secs(20), || {
         stats.handled.load(Ordering::Relaxed) == 4
@@ -293,7 +337,10 @@ async fn handler_instances_limit_bounds_parallel_calls() {
             }
         }
         let stats = node.stats();
-        wait_until("all handled", Duration::from_secs(30), || stats.handled.load(Ordering::Relaxed) == 12).await;
+        wait_until("all handled", Duration::from_secs(30), || {
+            stats.handled.load(Ordering::Relaxed) == 12
+        })
+        .await;
         node.shutdown().await.unwrap();
         assert_eq!(ledger.peak_groups(), expect_peak, "instances = {instances}");
     }

@@ -21,12 +21,17 @@ use weir::runtime::{
 use common::{faulty_bytes, message};
 
 fn runtime(pool_instances: u32) -> Arc<Runtime> {
-    Runtime::new(common::cached(RuntimeOptions { max_memory: 64 << 20, pool_instances, ..RuntimeOptions::default() }))
-        .expect("runtime starts")
+    Runtime::new(common::cached(RuntimeOptions {
+        max_memory: 64 << 20,
+        pool_instances,
+        ..RuntimeOptions::default()
+    }))
+    .expect("runtime starts")
 }
 
 fn load(rt: &Runtime, settings: HandlerSettings) -> Arc<HandlerVersion> {
-    rt.load(&faulty_bytes(), settings, "faulty test guest").expect("the faulty guest loads")
+    rt.load(&faulty_bytes(), settings, "faulty test guest")
+        .expect("the faulty guest loads")
 }
 
 /// Call `message_type` with `payload` and return the guest's answer (panics on a fault).
@@ -67,8 +72,14 @@ fn wasi_env_grant_is_visible() {
     settings.wasi.env = vec![("HOME".into(), "/x".into())];
     let v = load(&rt, settings);
     let text = rejection(&mut Executor::new(rt), &v, "env", "");
-    assert!(text.contains(r#"HOME=Some("/x")"#), "the granted variable is visible: {text}");
-    assert!(text.contains("read_dir(/)=denied"), "an env grant opens no directory: {text}");
+    assert!(
+        text.contains(r#"HOME=Some("/x")"#),
+        "the granted variable is visible: {text}"
+    );
+    assert!(
+        text.contains("read_dir(/)=denied"),
+        "an env grant opens no directory: {text}"
+    );
 }
 
 #[test]
@@ -85,10 +96,22 @@ fn config_import_answers_from_the_handlers_table() {
 #[test]
 fn load_refuses_garbage_and_names_the_origin() {
     let rt = runtime(8);
-    let err = rt.load(b"certainly not wasm", HandlerSettings::new("garbage"), "uploads/garbage.wasm").unwrap_err();
+    let err = rt
+        .load(
+            b"certainly not wasm",
+            HandlerSettings::new("garbage"),
+            "uploads/garbage.wasm",
+        )
+        .unwrap_err();
     let text = format!("{err:#}");
-    assert!(text.contains("uploads/garbage.wasm"), "the error names the origin: {text}");
-    assert!(text.contains("is not a valid WebAssembly component"), "the error says what is wrong: {text}");
+    assert!(
+        text.contains("uploads/garbage.wasm"),
+        "the error names the origin: {text}"
+    );
+    assert!(
+        text.contains("is not a valid WebAssembly component"),
+        "the error says what is wrong: {text}"
+    );
 }
 
 #[test]
@@ -96,10 +119,16 @@ fn load_refuses_a_core_module() {
     let rt = runtime(8);
     // The smallest valid core module: magic and version, no sections.
     let module = b"\0asm\x01\0\0\0";
-    assert!(wasmtime::Module::new(rt.engine(), module).is_ok(), "control: the bytes are a valid core module");
+    assert!(
+        wasmtime::Module::new(rt.engine(), module).is_ok(),
+        "control: the bytes are a valid core module"
+    );
     let err = rt.load(module, HandlerSettings::new("core"), "core.wasm").unwrap_err();
     let text = format!("{err:#}");
-    assert!(text.contains("core.wasm is not a valid WebAssembly component"), "{text}");
+    assert!(
+        text.contains("core.wasm is not a valid WebAssembly component"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -107,10 +136,16 @@ fn load_refuses_a_component_outside_the_world() {
     let rt = runtime(8);
     // A valid component (WAT text; the engine has the `wat` feature) that exports nothing.
     let empty = b"(component)";
-    assert!(wasmtime::component::Component::new(rt.engine(), empty).is_ok(), "control: a valid component");
+    assert!(
+        wasmtime::component::Component::new(rt.engine(), empty).is_ok(),
+        "control: a valid component"
+    );
     let err = rt.load(empty, HandlerSettings::new("empty"), "empty.wasm").unwrap_err();
     let text = format!("{err:#}");
-    assert!(text.contains("empty.wasm does not implement the weir:handler/handler world"), "{text}");
+    assert!(
+        text.contains("empty.wasm does not implement the weir:handler/handler world"),
+        "{text}"
+    );
     assert!(text.contains("handle"), "the cause names the missing export: {text}");
 }
 
@@ -121,7 +156,10 @@ fn load_refuses_a_memory_limit_above_the_nodes() {
     settings.memory_limit = 128 << 20;
     let err = rt.load(&faulty_bytes(), settings, "greedy.wasm").unwrap_err();
     let text = format!("{err:#}");
-    assert!(text.contains("greedy") && text.contains("limits.memory"), "the error names handler and key: {text}");
+    assert!(
+        text.contains("greedy") && text.contains("limits.memory"),
+        "the error names handler and key: {text}"
+    );
 }
 
 /// With a pool of one instance, whoever holds the instance blocks every other
@@ -135,12 +173,19 @@ fn reuse_mode_discards_a_trapped_instance() {
     assert!(answer(&mut a, &v, "ok", "").is_ok());
     // `a` keeps its instance: the pool is full for `b`.
     let f = fault(b.call(&v, &message("ok", None, b""), &None));
-    assert_eq!(f.kind, FaultKind::Instantiate, "control: a kept instance holds the only pool slot: {f}");
+    assert_eq!(
+        f.kind,
+        FaultKind::Instantiate,
+        "control: a kept instance holds the only pool slot: {f}"
+    );
 
     let f = fault(a.call(&v, &message("trap", None, b""), &None));
     assert_eq!(f.kind, FaultKind::Trap, "{f}");
     // The trapped instance is gone: `b` gets the slot, and `a` works again once `b` lets go.
-    assert!(answer(&mut b, &v, "ok", "").is_ok(), "the trapped instance was discarded");
+    assert!(
+        answer(&mut b, &v, "ok", "").is_ok(),
+        "the trapped instance was discarded"
+    );
     drop(b);
     assert!(answer(&mut a, &v, "ok", "").is_ok(), "the next call after a trap works");
     assert!(answer(&mut a, &v, "ok", "").is_ok());
@@ -155,7 +200,10 @@ fn fresh_mode_never_keeps_an_instance() {
     let (mut a, mut b) = (Executor::new(rt.clone()), Executor::new(rt));
     assert!(answer(&mut a, &v, "ok", "").is_ok());
     assert!(answer(&mut b, &v, "ok", "").is_ok(), "nothing kept after a call");
-    assert_eq!(fault(a.call(&v, &message("trap", None, b""), &None)).kind, FaultKind::Trap);
+    assert_eq!(
+        fault(a.call(&v, &message("trap", None, b""), &None)).kind,
+        FaultKind::Trap
+    );
     assert!(answer(&mut b, &v, "ok", "").is_ok());
     assert!(answer(&mut a, &v, "ok", "").is_ok(), "the next call after a trap works");
 }
@@ -173,11 +221,17 @@ fn each_fault_has_its_kind() {
     let f = fault(exec.call(&v, &message("loop", None, b""), &None));
     let took = started.elapsed();
     assert_eq!(f.kind, FaultKind::Timeout, "{f}");
-    assert!(took >= Duration::from_millis(200) && took < Duration::from_millis(600), "interrupted after {took:?}");
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_millis(600),
+        "interrupted after {took:?}"
+    );
 
     let f = fault(exec.call(&v, &message("hog", None, b""), &None));
     assert_eq!(f.kind, FaultKind::MemoryLimit, "{f}");
-    assert!(f.detail.contains(&(16u64 << 20).to_string()), "the detail names the limit: {f}");
+    assert!(
+        f.detail.contains(&(16u64 << 20).to_string()),
+        "the detail names the limit: {f}"
+    );
 
     let f = fault(exec.call(&v, &message("recurse", None, b""), &None));
     assert_eq!(f.kind, FaultKind::Trap, "{f}");
@@ -194,7 +248,10 @@ fn each_fault_has_its_kind() {
     setter.join().expect("the cancelling thread ran");
     assert_eq!(f.kind, FaultKind::Cancelled, "{f}");
 
-    assert!(answer(&mut exec, &v, "ok", "").is_ok(), "the executor carries on after every fault");
+    assert!(
+        answer(&mut exec, &v, "ok", "").is_ok(),
+        "the executor carries on after every fault"
+    );
 }
 
 #[test]
@@ -214,8 +271,16 @@ fn batch_answers_each_member_in_order() {
     };
     assert_eq!(results.len(), batch.len(), "one result per message");
     assert!(results[0].is_ok());
-    assert!(matches!(&results[1], Err(Failure::Reject(r)) if r == "rejected by test"), "{:?}", results[1]);
-    assert!(matches!(&results[2], Err(Failure::Retry(r)) if r == "retry by test"), "{:?}", results[2]);
+    assert!(
+        matches!(&results[1], Err(Failure::Reject(r)) if r == "rejected by test"),
+        "{:?}",
+        results[1]
+    );
+    assert!(
+        matches!(&results[2], Err(Failure::Retry(r)) if r == "retry by test"),
+        "{:?}",
+        results[2]
+    );
     assert!(results[3].is_ok());
     assert!(results[4].is_ok());
     assert_eq!(published.len(), 1, "the batch's publish is returned with it");
@@ -227,7 +292,11 @@ fn batch_with_a_trapping_member_faults_as_a_whole() {
     let rt = runtime(8);
     let v = load(&rt, HandlerSettings::new("batcher"));
     let mut exec = Executor::new(rt);
-    let batch = vec![message("ok", Some("g"), b""), message("trap", Some("g"), b""), message("ok", Some("g"), b"")];
+    let batch = vec![
+        message("ok", Some("g"), b""),
+        message("trap", Some("g"), b""),
+        message("ok", Some("g"), b""),
+    ];
     match exec.call_batch(&v, &batch, &None) {
         BatchOutcome::Fault(f) => assert_eq!(f.kind, FaultKind::Trap, "{f}"),
         BatchOutcome::Done { results, .. } => panic!("a trapping batch answered {results:?}"),

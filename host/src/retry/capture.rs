@@ -24,8 +24,14 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in a fixed order.
-    pub const ALL: [Reason; 6] =
-        [Reason::Rejected, Reason::Exhausted, Reason::Undecodable, Reason::NoHandler, Reason::Timeout, Reason::Trap];
+    pub const ALL: [Reason; 6] = [
+        Reason::Rejected,
+        Reason::Exhausted,
+        Reason::Undecodable,
+        Reason::NoHandler,
+        Reason::Timeout,
+        Reason::Trap,
+    ];
 
     /// The header value.
     pub fn as_str(self) -> &'static str {
@@ -124,8 +130,13 @@ pub async fn capture(
         Ok(()) => match acker.settle(Disposition::Ack).await {
             Ok(()) => {
                 tracing::info!(
-                    messaging.system = system, topology, source = p.source, tag = p.tag,
-                    reason = p.reason.as_str(), error = p.error, "dead-lettered"
+                    messaging.system = system,
+                    topology,
+                    source = p.source,
+                    tag = p.tag,
+                    reason = p.reason.as_str(),
+                    error = p.error,
+                    "dead-lettered"
                 );
                 Outcome::DeadLettered(p.reason)
             }

@@ -17,11 +17,7 @@ use std::fmt;
 use std::time::Duration;
 
 /// The ladder used when a topology has no `[topology.retry]` section.
-pub const DEFAULT_LADDER: [Duration; 3] = [
-    Duration::from_secs(1),
-    Duration::from_secs(5),
-    Duration::from_secs(30),
-];
+pub const DEFAULT_LADDER: [Duration; 3] = [Duration::from_secs(1), Duration::from_secs(5), Duration::from_secs(30)];
 /// `max_deliver` used when a topology has no `[topology.retry]` section (or the section omits
 /// it): the first delivery plus four retries, so every default rung is served at least once.
 pub const DEFAULT_MAX_DELIVER: i64 = 5;
@@ -257,14 +253,9 @@ impl Schedule {
         let rungs = delivery.saturating_sub(1);
         let ladder = &self.policy.ladder;
         let Some(last) = ladder.last() else {
-            return self
-                .empty_ladder_delay()
-                .checked_mul(rungs)
-                .unwrap_or(Duration::MAX);
+            return self.empty_ladder_delay().checked_mul(rungs).unwrap_or(Duration::MAX);
         };
-        let on_ladder = usize::try_from(rungs)
-            .unwrap_or(usize::MAX)
-            .min(ladder.len());
+        let on_ladder = usize::try_from(rungs).unwrap_or(usize::MAX).min(ladder.len());
         let climbed = ladder[..on_ladder]
             .iter()
             .fold(Duration::ZERO, |acc, d| acc.saturating_add(*d));
@@ -279,17 +270,14 @@ impl Schedule {
         let max = self.policy.max_deliveries()?;
         Some(match self.redelivery {
             Redelivery::Host => max,
-            Redelivery::JetStream {
-                capture_reserve, ..
-            } => max.saturating_sub(capture_reserve).max(1),
+            Redelivery::JetStream { capture_reserve, .. } => max.saturating_sub(capture_reserve).max(1),
         })
     }
 
     /// True when a retryable failure on this delivery must be dead-lettered (reason
     /// `exhausted`), also for deliveries past the handler's last, which only retry a capture.
     pub fn is_last_delivery(&self, attempt: u32) -> bool {
-        self.handler_deliveries()
-            .is_some_and(|last| attempt >= last)
+        self.handler_deliveries().is_some_and(|last| attempt >= last)
     }
 
     /// True when the broker will make another delivery after `attempt` if this one is not
@@ -323,10 +311,7 @@ impl Schedule {
     /// The schedule as a table: deliveries `1..=max_deliver`, at most `max_rows` of them (when
     /// unlimited, `max_rows` rows; `ladder.len() + 2` shows the repeating tail).
     pub fn table(&self, max_rows: u32) -> Vec<Row> {
-        let rows = self
-            .policy
-            .max_deliveries()
-            .map_or(max_rows, |max| max.min(max_rows));
+        let rows = self.policy.max_deliveries().map_or(max_rows, |max| max.min(max_rows));
         let handler = self.handler_deliveries();
         (1..=rows)
             .map(|n| Row {
@@ -486,9 +471,7 @@ impl Schedule {
                  rungs such as [\"1s\", \"5s\", \"30s\"]"
                     .to_string(),
             ),
-            Redelivery::JetStream {
-                capture_reserve, ..
-            } if capture_reserve > 0 => {
+            Redelivery::JetStream { capture_reserve, .. } if capture_reserve > 0 => {
                 if let Some(max) = policy.max_deliveries()
                     && max <= capture_reserve
                 {
@@ -508,16 +491,14 @@ impl Schedule {
 
         report.warnings.extend(warnings);
         if policy.origin == Origin::Default {
-            let demoted = std::mem::take(&mut report.errors)
-                .into_iter()
-                .map(|v| Violation {
-                    key: v.key,
-                    message: format!(
-                        "(default retry policy: the topology has no [topology.retry] section) {}; \
+            let demoted = std::mem::take(&mut report.errors).into_iter().map(|v| Violation {
+                key: v.key,
+                message: format!(
+                    "(default retry policy: the topology has no [topology.retry] section) {}; \
                      add a retry section to choose",
-                        v.message
-                    ),
-                });
+                    v.message
+                ),
+            });
             report.warnings.extend(demoted);
         }
         report
@@ -716,14 +697,7 @@ mod tests {
         assert_eq!(rows.len(), 5);
         let got: Vec<(u32, u64, u64, Role)> = rows
             .iter()
-            .map(|r| {
-                (
-                    r.delivery,
-                    r.delay_before.as_secs(),
-                    r.since_first.as_secs(),
-                    r.role,
-                )
-            })
+            .map(|r| (r.delivery, r.delay_before.as_secs(), r.since_first.as_secs(), r.role))
             .collect();
         assert_eq!(
             got,
@@ -755,16 +729,8 @@ mod tests {
     fn ladder_longer_than_max_deliver_is_an_error_and_equal_is_fine() {
         let r = host(&[1, 5, 30], 2).check(&ctx());
         assert_eq!(keys(&r.errors), ["topology[0].retry.ladder"]);
-        assert!(
-            r.errors[0].message.contains("at most 2 rungs"),
-            "{}",
-            r.errors[0]
-        );
-        assert!(
-            r.errors[0].message.contains("max_deliver >= 3"),
-            "{}",
-            r.errors[0]
-        );
+        assert!(r.errors[0].message.contains("at most 2 rungs"), "{}", r.errors[0]);
+        assert!(r.errors[0].message.contains("max_deliver >= 3"), "{}", r.errors[0]);
         assert!(host(&[1, 5, 30], 3).check(&ctx()).is_ok());
         assert!(host(&[1, 5, 30], 4).check(&ctx()).is_ok());
         // unlimited allows any ladder
@@ -788,30 +754,11 @@ mod tests {
         let r = jetstream(&[1, 5], 5, Some(30)).check(&ctx());
         assert!(r.is_ok());
         assert_eq!(keys(&r.warnings), ["topology[0].retry.ladder[0]"]);
-        assert!(
-            r.warnings[0].message.contains("AckWait is 30s"),
-            "{}",
-            r.warnings[0]
-        );
-        assert!(
-            jetstream(&[1, 5], 5, Some(1))
-                .check(&ctx())
-                .warnings
-                .is_empty()
-        );
+        assert!(r.warnings[0].message.contains("AckWait is 30s"), "{}", r.warnings[0]);
+        assert!(jetstream(&[1, 5], 5, Some(1)).check(&ctx()).warnings.is_empty());
         // unknown AckWait, or no ladder (AckWait is the delay): nothing to normalise
-        assert!(
-            jetstream(&[1, 5], 5, None)
-                .check(&ctx())
-                .warnings
-                .is_empty()
-        );
-        assert!(
-            jetstream(&[], 5, Some(30))
-                .check(&ctx())
-                .warnings
-                .is_empty()
-        );
+        assert!(jetstream(&[1, 5], 5, None).check(&ctx()).warnings.is_empty());
+        assert!(jetstream(&[], 5, Some(30)).check(&ctx()).warnings.is_empty());
     }
 
     #[test]
@@ -824,11 +771,7 @@ mod tests {
         c.stream_max_age = Some(s(66));
         let r = sch.check(&c);
         assert_eq!(keys(&r.errors), ["topology[0].retry"]);
-        assert!(
-            r.errors[0].message.contains("max_age = 1m 6s"),
-            "{}",
-            r.errors[0]
-        );
+        assert!(r.errors[0].message.contains("max_age = 1m 6s"), "{}", r.errors[0]);
         assert!(r.errors[0].message.contains("silent loss"));
         c.stream_max_age = Some(s(10));
         assert!(!sch.check(&c).is_ok());
@@ -847,18 +790,11 @@ mod tests {
             .with_max_time_to_dead_letter(s(66))
             .schedule(Redelivery::Host);
         assert!(ok.check(&ctx()).is_ok());
-        let bad = policy
-            .with_max_time_to_dead_letter(s(65))
-            .schedule(Redelivery::Host);
+        let bad = policy.with_max_time_to_dead_letter(s(65)).schedule(Redelivery::Host);
         let r = bad.check(&ctx());
-        assert_eq!(
-            keys(&r.errors),
-            ["topology[0].retry.max_time_to_dead_letter"]
-        );
+        assert_eq!(keys(&r.errors), ["topology[0].retry.max_time_to_dead_letter"]);
         assert!(
-            r.errors[0]
-                .message
-                .contains("max_time_to_dead_letter >= 1m 6s"),
+            r.errors[0].message.contains("max_time_to_dead_letter >= 1m 6s"),
             "{}",
             r.errors[0]
         );
@@ -911,13 +847,7 @@ mod tests {
                 capture_reserve: 1,
             },
         ] {
-            for age in [
-                None,
-                Some(Duration::ZERO),
-                Some(s(1)),
-                Some(s(66)),
-                Some(s(3600)),
-            ] {
+            for age in [None, Some(Duration::ZERO), Some(s(1)), Some(s(66)), Some(s(3600))] {
                 let c = CheckContext {
                     key: "topology[3].retry".into(),
                     stream_max_age: age,
@@ -933,11 +863,7 @@ mod tests {
         };
         let r = policy.schedule(Redelivery::JETSTREAM).check(&c);
         assert_eq!(keys(&r.warnings), ["topology[3].retry"]);
-        assert!(
-            r.warnings[0]
-                .message
-                .contains("no [topology.retry] section")
-        );
+        assert!(r.warnings[0].message.contains("no [topology.retry] section"));
     }
 
     #[test]

@@ -99,7 +99,10 @@ impl HostState {
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
     }
 }
 
@@ -135,7 +138,10 @@ impl Host for HostState {
                 self.settings.max_publish_per_call
             )));
         }
-        if let Some((k, _)) = headers.iter().find(|(k, _)| envelope::header::DERIVED.contains(&k.as_str())) {
+        if let Some((k, _)) = headers
+            .iter()
+            .find(|(k, _)| envelope::header::DERIVED.contains(&k.as_str()))
+        {
             return Ok(Err(format!("publish: header `{k}` is set by the host")));
         }
         let id = envelope::cascade_id(&self.call.message_id, self.outbox.len());
@@ -165,7 +171,10 @@ pub(crate) struct Limiter {
 
 impl Limiter {
     fn new(memory: usize) -> Self {
-        Self { inner: StoreLimitsBuilder::new().memory_size(memory).build(), denied: false }
+        Self {
+            inner: StoreLimitsBuilder::new().memory_size(memory).build(),
+            denied: false,
+        }
     }
 }
 

@@ -108,7 +108,10 @@ impl WasiGrants {
             }
         }
         if self.network {
-            b.inherit_network().allow_tcp(true).allow_udp(true).allow_ip_name_lookup(true);
+            b.inherit_network()
+                .allow_tcp(true)
+                .allow_udp(true)
+                .allow_ip_name_lookup(true);
         }
     }
 }
@@ -232,10 +235,16 @@ impl Runtime {
             .concurrency_support(false)
             .max_wasm_stack(options.max_wasm_stack)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-        let engine = Engine::new(&cfg).map_err(anyhow::Error::from).context("configuring the wasmtime engine")?;
+        let engine = Engine::new(&cfg)
+            .map_err(anyhow::Error::from)
+            .context("configuring the wasmtime engine")?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(anyhow::Error::from).context("linking WASI")?;
-        Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s).map_err(anyhow::Error::from).context("linking weir:handler/host")?;
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .map_err(anyhow::Error::from)
+            .context("linking WASI")?;
+        Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
+            .map_err(anyhow::Error::from)
+            .context("linking weir:handler/host")?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (e, stop) = (engine.clone(), ticker_stop.clone());
@@ -248,7 +257,13 @@ impl Runtime {
                 }
             })
             .context("starting the epoch ticker")?;
-        Ok(Arc::new(Self { engine, linker, options, observer: None, ticker_stop }))
+        Ok(Arc::new(Self {
+            engine,
+            linker,
+            options,
+            observer: None,
+            ticker_stop,
+        }))
     }
 
     /// Same as [`Runtime::new`] with an observer around every guest call.
@@ -279,7 +294,11 @@ impl Runtime {
         }
         for p in &settings.wasi.preopens {
             std::fs::read_dir(&p.host).with_context(|| {
-                format!("handler `{}`: wasi preopen {:?} cannot be opened", settings.name, p.host.display())
+                format!(
+                    "handler `{}`: wasi preopen {:?} cannot be opened",
+                    settings.name,
+                    p.host.display()
+                )
             })?;
         }
         let component = self
@@ -324,7 +343,9 @@ impl Runtime {
             // data directory, under the digest of the bytes being loaded.
             match unsafe { Component::deserialize_file(&self.engine, &path) } {
                 Ok(c) => return Ok(c),
-                Err(e) => tracing::warn!(path = %path.display(), error = %e, "ignoring unusable compiled-code cache entry"),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "ignoring unusable compiled-code cache entry")
+                }
             }
         }
         let code = self.engine.precompile_component(bytes).map_err(anyhow::Error::from)?;
@@ -445,7 +466,10 @@ pub struct Executor {
 impl Executor {
     /// An executor with an empty instance cache.
     pub fn new(runtime: Arc<Runtime>) -> Self {
-        Self { runtime, cache: HashMap::new() }
+        Self {
+            runtime,
+            cache: HashMap::new(),
+        }
     }
 
     fn instance(&mut self, version: &Arc<HandlerVersion>) -> Result<Instance, Fault> {
@@ -454,8 +478,10 @@ impl Executor {
         {
             return Ok(inst);
         }
-        Instance::new(&self.runtime.engine, version)
-            .map_err(|e| Fault { kind: FaultKind::Instantiate, detail: format!("{e:#}") })
+        Instance::new(&self.runtime.engine, version).map_err(|e| Fault {
+            kind: FaultKind::Instantiate,
+            detail: format!("{e:#}"),
+        })
     }
 
     fn keep(&mut self, version: &Arc<HandlerVersion>, inst: Instance) {
@@ -499,7 +525,12 @@ impl Executor {
     }
 
     /// Call `handle` for one message.
-    pub fn call(&mut self, version: &Arc<HandlerVersion>, msg: &Envelope, cancel: &Option<Arc<AtomicBool>>) -> CallOutcome {
+    pub fn call(
+        &mut self,
+        version: &Arc<HandlerVersion>,
+        msg: &Envelope,
+        cancel: &Option<Arc<AtomicBool>>,
+    ) -> CallOutcome {
         let mut inst = match self.instance(version) {
             Ok(i) => i,
             Err(f) => return CallOutcome::Fault(f),
@@ -534,7 +565,10 @@ impl Executor {
         cancel: &Option<Arc<AtomicBool>>,
     ) -> BatchOutcome {
         let Some(first) = batch.first() else {
-            return BatchOutcome::Done { results: Vec::new(), published: Vec::new() };
+            return BatchOutcome::Done {
+                results: Vec::new(),
+                published: Vec::new(),
+            };
         };
         let mut inst = match self.instance(version) {
             Ok(i) => i,
@@ -556,7 +590,11 @@ impl Executor {
             }
             Ok(results) => BatchOutcome::Fault(Fault {
                 kind: FaultKind::Trap,
-                detail: format!("handle-batch returned {} results for {} messages", results.len(), batch.len()),
+                detail: format!(
+                    "handle-batch returned {} results for {} messages",
+                    results.len(),
+                    batch.len()
+                ),
             }),
             Err(e) => BatchOutcome::Fault(Self::fault(&mut inst, e)),
         }

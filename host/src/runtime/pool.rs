@@ -105,7 +105,12 @@ impl WorkerPool {
         cancel: Option<Arc<AtomicBool>>,
     ) -> anyhow::Result<(Vec<Envelope>, BatchOutcome)> {
         let (reply, rx) = oneshot::channel();
-        self.submit(Job::Batch { handler, batch, cancel, reply });
+        self.submit(Job::Batch {
+            handler,
+            batch,
+            cancel,
+            reply,
+        });
         rx.await.context("worker pool stopped during a call")
     }
 }
@@ -123,7 +128,12 @@ fn run(exec: &mut Executor, job: Job) {
             // The receiver may have gone (shutdown): nothing to settle then.
             let _ = reply.send(out);
         }
-        Job::Batch { handler, batch, cancel, reply } => {
+        Job::Batch {
+            handler,
+            batch,
+            cancel,
+            reply,
+        } => {
             let outcome = exec.call_batch(&handler, &batch, &cancel);
             let _ = reply.send((batch, outcome));
         }

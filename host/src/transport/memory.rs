@@ -14,7 +14,9 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Acker, Delivery, Disposition, ErrorKind, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+use super::{
+    Acker, Delivery, Disposition, ErrorKind, RetryOwner, Subscription, TopologySpec, Transport, TransportError,
+};
 use crate::envelope::{self, Wire};
 
 /// Failures a test can ask the broker to produce; each counter is consumed
@@ -32,7 +34,9 @@ pub struct Faults {
 }
 
 fn take(counter: &AtomicU32) -> bool {
-    counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok()
+    counter
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+        .is_ok()
 }
 
 #[derive(Debug)]
@@ -136,14 +140,19 @@ impl MemoryBroker {
         t.slots.get(slot as usize).cloned().ok_or_else(|| {
             TransportError::new(
                 ErrorKind::Invalid,
-                format!("slot {slot} does not exist in topology `{topology}` ({} slots)", t.slots.len()),
+                format!(
+                    "slot {slot} does not exist in topology `{topology}` ({} slots)",
+                    t.slots.len()
+                ),
             )
         })
     }
 
     /// Messages on the dead-letter list of `topology`.
     pub fn dead_letters(&self, topology: &str) -> Vec<Wire> {
-        self.topology(topology).map(|t| t.dead_letters.lock().clone()).unwrap_or_default()
+        self.topology(topology)
+            .map(|t| t.dead_letters.lock().clone())
+            .unwrap_or_default()
     }
 
     /// Messages ready, delayed or unacknowledged in one slot.
@@ -153,12 +162,16 @@ impl MemoryBroker {
 
     /// Messages delivered to a consumer and not yet settled, in `topology`.
     pub fn unacked(&self, topology: &str) -> usize {
-        self.topology(topology).map(|t| t.slots.iter().map(|s| s.q.lock().unacked.len()).sum()).unwrap_or(0)
+        self.topology(topology)
+            .map(|t| t.slots.iter().map(|s| s.q.lock().unacked.len()).sum())
+            .unwrap_or(0)
     }
 
     /// Messages anywhere in `topology`'s slot queues.
     pub fn total_depth(&self, topology: &str) -> usize {
-        self.topology(topology).map(|t| t.slots.iter().map(|s| s.q.lock().depth()).sum()).unwrap_or(0)
+        self.topology(topology)
+            .map(|t| t.slots.iter().map(|s| s.q.lock().depth()).sum())
+            .unwrap_or(0)
     }
 
     fn enqueue(&self, q: &SlotQueue, wire: Wire, delay: Duration) {
@@ -212,7 +225,13 @@ impl Transport for MemoryBroker {
                 })
             })
             .collect();
-        map.insert(spec.name.clone(), Arc::new(Topology { slots, dead_letters: Mutex::new(Vec::new()) }));
+        map.insert(
+            spec.name.clone(),
+            Arc::new(Topology {
+                slots,
+                dead_letters: Mutex::new(Vec::new()),
+            }),
+        );
         Ok(())
     }
 
@@ -224,13 +243,21 @@ impl Transport for MemoryBroker {
     ) -> Result<Box<dyn Subscription>, TransportError> {
         let queue = self.slot(topology, slot)?;
         let consumer = self.shared.next_consumer.fetch_add(1, Ordering::Relaxed);
-        Ok(Box::new(MemorySubscription { broker: self.clone(), queue, consumer, prefetch: prefetch.max(1) }))
+        Ok(Box::new(MemorySubscription {
+            broker: self.clone(),
+            queue,
+            consumer,
+            prefetch: prefetch.max(1),
+        }))
     }
 
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
         let q = self.slot(topology, slot)?;
         if take(&self.shared.faults.refuse_publishes) {
-            return Err(TransportError::new(ErrorKind::Refused, format!("{} refused the publish (injected)", q.name)));
+            return Err(TransportError::new(
+                ErrorKind::Refused,
+                format!("{} refused the publish (injected)", q.name),
+            ));
         }
         self.enqueue(&q, wire, Duration::ZERO);
         Ok(())
@@ -271,7 +298,10 @@ impl MemorySubscription {
         }
         match g.ready.pop_front() {
             Some(s) => {
-                let copy = Stored { seq: s.seq, wire: s.wire.clone() };
+                let copy = Stored {
+                    seq: s.seq,
+                    wire: s.wire.clone(),
+                };
                 g.unacked.insert(s.seq, (self.consumer, copy));
                 *g.per_consumer.entry(self.consumer).or_default() += 1;
                 Ok(s)
@@ -296,7 +326,11 @@ impl Subscription for MemorySubscription {
                         message,
                         source: self.queue.name.clone(),
                         tag: seq.to_string(),
-                        acker: Box::new(MemoryAcker { broker: self.broker.clone(), queue: self.queue.clone(), seq }),
+                        acker: Box::new(MemoryAcker {
+                            broker: self.broker.clone(),
+                            queue: self.queue.clone(),
+                            seq,
+                        }),
                     }));
                 }
                 Err(Some(due)) => {
@@ -316,9 +350,17 @@ impl Drop for MemorySubscription {
     fn drop(&mut self) {
         {
             let mut g = self.queue.q.lock();
-            let mine: Vec<u64> =
-                g.unacked.iter().filter(|(_, (c, _))| *c == self.consumer).map(|(s, _)| *s).collect();
-            let mut back: Vec<Stored> = mine.iter().filter_map(|s| g.unacked.remove(s)).map(|(_, st)| st).collect();
+            let mine: Vec<u64> = g
+                .unacked
+                .iter()
+                .filter(|(_, (c, _))| *c == self.consumer)
+                .map(|(s, _)| *s)
+                .collect();
+            let mut back: Vec<Stored> = mine
+                .iter()
+                .filter_map(|s| g.unacked.remove(s))
+                .map(|(_, st)| st)
+                .collect();
             back.sort_by_key(|s| Reverse(s.seq));
             for s in back {
                 g.ready.push_front(s);
@@ -351,7 +393,10 @@ impl Acker for MemoryAcker {
         let Some((_, stored)) = taken else {
             return Err(TransportError::new(
                 ErrorKind::Settled,
-                format!("delivery {} on {} was already settled or returned", self.seq, self.queue.name),
+                format!(
+                    "delivery {} on {} was already settled or returned",
+                    self.seq, self.queue.name
+                ),
             ));
         };
         match disposition {
@@ -360,7 +405,10 @@ impl Acker for MemoryAcker {
                 if take(&self.broker.shared.faults.lose_ack_confirms) {
                     return Err(TransportError::new(
                         ErrorKind::Timeout,
-                        format!("ack of delivery {} on {}: confirmation lost (injected)", self.seq, self.queue.name),
+                        format!(
+                            "ack of delivery {} on {}: confirmation lost (injected)",
+                            self.seq, self.queue.name
+                        ),
                     ));
                 }
             }

@@ -39,7 +39,10 @@ pub struct TransportError {
 impl TransportError {
     /// Build an error of `kind`.
     pub fn new(kind: ErrorKind, detail: impl Into<String>) -> Self {
-        Self { kind, detail: detail.into() }
+        Self {
+            kind,
+            detail: detail.into(),
+        }
     }
 }
 
@@ -99,7 +102,10 @@ pub struct Delivery {
 
 impl std::fmt::Debug for Delivery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Delivery").field("source", &self.source).field("tag", &self.tag).finish()
+        f.debug_struct("Delivery")
+            .field("source", &self.source)
+            .field("tag", &self.tag)
+            .finish()
     }
 }
 
@@ -133,8 +139,12 @@ pub trait Transport: Send + Sync + 'static {
     async fn declare(&self, topology: &TopologySpec) -> Result<(), TransportError>;
 
     /// Consume one slot with at most `prefetch` unsettled deliveries.
-    async fn subscribe(&self, topology: &str, slot: u32, prefetch: u32)
-        -> Result<Box<dyn Subscription>, TransportError>;
+    async fn subscribe(
+        &self,
+        topology: &str,
+        slot: u32,
+        prefetch: u32,
+    ) -> Result<Box<dyn Subscription>, TransportError>;
 
     /// Publish to a slot and wait for the broker's confirm.
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError>;

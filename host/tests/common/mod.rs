@@ -28,14 +28,22 @@ pub fn cached(mut options: RuntimeOptions) -> RuntimeOptions {
         let rt = Runtime::new(options.clone()).expect("warm-up runtime starts");
         let mut settings = HandlerSettings::new("warm-up");
         settings.memory_limit = options.max_memory;
-        rt.load(&faulty_bytes(), settings, "faulty guest (cache warm-up)").expect("the faulty guest compiles");
+        rt.load(&faulty_bytes(), settings, "faulty guest (cache warm-up)")
+            .expect("the faulty guest compiles");
     });
     options
 }
 
 /// A fresh message (attempt 1, no tenant, no extra headers).
 pub fn message(message_type: &str, group: Option<&str>, payload: &[u8]) -> Envelope {
-    envelope::new_message(envelope::fresh_id(), message_type, group.map(str::to_owned), None, Vec::new(), payload.to_vec())
+    envelope::new_message(
+        envelope::fresh_id(),
+        message_type,
+        group.map(str::to_owned),
+        None,
+        Vec::new(),
+        payload.to_vec(),
+    )
 }
 
 /// One guest call as the observer saw it.
@@ -58,7 +66,9 @@ pub struct Call {
 impl Call {
     /// How long the call ran; panics if it has not ended.
     pub fn duration(&self) -> std::time::Duration {
-        self.end.unwrap_or_else(|| panic!("call of {} (attempt {}) has not ended", self.id, self.attempt)) - self.start
+        self.end
+            .unwrap_or_else(|| panic!("call of {} (attempt {}) has not ended", self.id, self.attempt))
+            - self.start
     }
 }
 
@@ -81,7 +91,12 @@ impl CallLog {
 
     /// The calls of messages of type `message_type`.
     pub fn of_type(&self, message_type: &str) -> Vec<Call> {
-        self.calls.lock().iter().filter(|c| c.message_type == message_type).cloned().collect()
+        self.calls
+            .lock()
+            .iter()
+            .filter(|c| c.message_type == message_type)
+            .cloned()
+            .collect()
     }
 }
 
@@ -100,8 +115,10 @@ impl CallObserver for CallLog {
     fn after(&self, msg: &Envelope) {
         let now = Instant::now();
         let mut calls = self.calls.lock();
-        if let Some(c) =
-            calls.iter_mut().rev().find(|c| c.id == msg.id && c.attempt == msg.attempt && c.end.is_none())
+        if let Some(c) = calls
+            .iter_mut()
+            .rev()
+            .find(|c| c.id == msg.id && c.attempt == msg.attempt && c.end.is_none())
         {
             c.end = Some(now);
         }

@@ -45,10 +45,7 @@ impl Handler for Orders {
     /// Bulk validation: the config is read once for the whole batch.
     fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
         let currency = weir_guest::config("currency");
-        batch
-            .iter()
-            .map(|msg| process(msg, currency.as_deref()))
-            .collect()
+        batch.iter().map(|msg| process(msg, currency.as_deref())).collect()
     }
 }
 
@@ -97,9 +94,7 @@ fn validate(order: &Order, configured: Option<&str>) -> Result<Accepted, String>
     }
     let currency = match (order.currency.as_deref(), configured) {
         (Some(given), Some(wanted)) if given != wanted => {
-            return Err(format!(
-                "currency {given:?}, this shop accepts only {wanted:?}"
-            ));
+            return Err(format!("currency {given:?}, this shop accepts only {wanted:?}"));
         }
         (Some(given), _) => given,
         (None, configured) => configured.unwrap_or(DEFAULT_CURRENCY),
@@ -166,10 +161,7 @@ mod tests {
             (with("lines", json!([])), "no lines"),
             (with("order_id", json!("")), "empty order_id"),
             (
-                with(
-                    "lines",
-                    json!([{ "sku": "a", "qty": 0, "unit_price_cents": 1 }]),
-                ),
+                with("lines", json!([{ "sku": "a", "qty": 0, "unit_price_cents": 1 }])),
                 "qty 0",
             ),
             (with("currency", json!("EUR")), r#"accepts only "USD""#),
@@ -188,11 +180,7 @@ mod tests {
         testing::reset();
         let mut payload = order();
         payload["simulate"] = json!("transient");
-        assert!(
-            Orders::handle(placed(&payload).with_attempt(2))
-                .unwrap_err()
-                .is_retry()
-        );
+        assert!(Orders::handle(placed(&payload).with_attempt(2)).unwrap_err().is_retry());
         Orders::handle(placed(&payload).with_attempt(3)).unwrap();
     }
 

@@ -25,9 +25,10 @@ impl Handler for Faulty {
             }
             "slow" => {
                 let text = msg.text()?;
-                let ms: u64 = text.trim().parse().map_err(|e| {
-                    Failure::reject(format!("slow: payload {text:?} is not milliseconds: {e}"))
-                })?;
+                let ms: u64 = text
+                    .trim()
+                    .parse()
+                    .map_err(|e| Failure::reject(format!("slow: payload {text:?} is not milliseconds: {e}")))?;
                 busy_wait(Duration::from_millis(ms));
                 Ok(())
             }
@@ -43,9 +44,7 @@ impl Handler for Faulty {
                 Err(Failure::reject(format!("config={value:?}")))
             }
             "env" => Err(Failure::reject(probe_sandbox())),
-            other => Err(Failure::reject(format!(
-                "faulty: unknown message type {other:?}"
-            ))),
+            other => Err(Failure::reject(format!("faulty: unknown message type {other:?}"))),
         }
     }
 
