@@ -414,9 +414,9 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
     let settles = outcomes.into_iter().zip(pending).map(|((env, outcome), pend)| {
         let (p, s) = (p.clone(), s.clone());
         async move {
-            let id = env.id.clone();
+            let id = p.observer.as_ref().map(|_| env.id.clone());
             let o = settle(&p, &s, env, outcome, pend).await;
-            p.record(&id, o);
+            p.record(id.as_deref().unwrap_or_default(), o);
         }
     });
     futures::future::join_all(settles).await;

@@ -10,11 +10,11 @@ use parking_lot::RwLock;
 use crate::envelope::Envelope;
 use crate::runtime::HandlerVersion;
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct Key {
-    topology: String,
-    tenant: Option<String>,
-    message_type: String,
+/// Handlers of one message type: per tenant, and for any tenant.
+#[derive(Default)]
+struct ByTenant {
+    any: Option<String>,
+    tenants: HashMap<String, String>,
 }
 
 /// Bindings and handler versions. Swapping a version is one write here; the
@@ -22,7 +22,9 @@ struct Key {
 /// version they started with.
 #[derive(Default)]
 pub struct Router {
-    bindings: HashMap<Key, String>,
+    /// topology → message type → handler names. Looked up with borrowed
+    /// keys: routing a message allocates nothing.
+    bindings: HashMap<String, HashMap<String, ByTenant>>,
     versions: RwLock<HashMap<String, Arc<HandlerVersion>>>,
 }
 
@@ -35,12 +37,16 @@ impl Router {
     /// Bind `message_type` of `topology` (for `tenant`, or any tenant) to `handler`.
     /// Returns the handler already bound there, if any.
     pub fn bind(&mut self, topology: &str, tenant: Option<&str>, message_type: &str, handler: &str) -> Option<String> {
-        let key = Key {
-            topology: topology.to_owned(),
-            tenant: tenant.map(str::to_owned),
-            message_type: message_type.to_owned(),
-        };
-        self.bindings.insert(key, handler.to_owned())
+        let by_tenant = self
+            .bindings
+            .entry(topology.to_owned())
+            .or_default()
+            .entry(message_type.to_owned())
+            .or_default();
+        match tenant {
+            Some(t) => by_tenant.tenants.insert(t.to_owned(), handler.to_owned()),
+            None => by_tenant.any.replace(handler.to_owned()),
+        }
     }
 
     /// Install or replace the current version of a handler; the old one is retired.
@@ -64,19 +70,41 @@ impl Router {
 
     /// The handler for a message, or `None` (dead-letter `no-handler`).
     pub fn route(&self, topology: &str, env: &Envelope) -> Option<Arc<HandlerVersion>> {
-        let mut key = Key {
-            topology: topology.to_owned(),
-            tenant: env.tenant_id.clone(),
-            message_type: env.message_type.clone(),
-        };
-        let name = match self.bindings.get(&key) {
-            Some(n) => n,
-            None if key.tenant.is_some() => {
-                key.tenant = None;
-                self.bindings.get(&key)?
-            }
-            None => return None,
-        };
-        self.version(name)
+        self.version(self.handler_name(topology, env)?)
+    }
+
+    /// The name of the handler bound for a message.
+    pub fn handler_name(&self, topology: &str, env: &Envelope) -> Option<&str> {
+        let by_tenant = self.bindings.get(topology)?.get(env.message_type.as_str())?;
+        let name = env
+            .tenant_id
+            .as_deref()
+            .and_then(|t| by_tenant.tenants.get(t))
+            .or(by_tenant.any.as_ref())?;
+        Some(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope;
+
+    fn msg(t: &str, tenant: Option<&str>) -> Envelope {
+        envelope::new_message("id".into(), t, None, tenant.map(str::to_owned), vec![], vec![])
+    }
+
+    #[test]
+    fn tenant_binding_wins_over_any_tenant_and_others_fall_back() {
+        let mut r = Router::new();
+        assert_eq!(r.bind("t", None, "a", "generic"), None);
+        assert_eq!(r.bind("t", Some("acme"), "a", "acme-only"), None);
+        let key = |m: &Envelope| r.handler_name("t", m).map(str::to_owned);
+        assert_eq!(key(&msg("a", Some("acme"))).as_deref(), Some("acme-only"));
+        assert_eq!(key(&msg("a", Some("other"))).as_deref(), Some("generic"));
+        assert_eq!(key(&msg("a", None)).as_deref(), Some("generic"));
+        assert_eq!(key(&msg("b", None)), None);
+        assert_eq!(r.handler_name("other-topology", &msg("a", None)), None);
+        assert_eq!(r.bind("t", None, "a", "again").as_deref(), Some("generic"));
     }
 }
