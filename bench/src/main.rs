@@ -1,0 +1,607 @@
+//! `weir-bench`: what one message costs the Weir host.
+//!
+//! Scenarios (pick one, a group, or `all`):
+//!
+//! * `bare-reuse`  — `Executor::call` in a loop on one thread, same engine
+//!   config as a node, one prepared envelope, instance reused.
+//! * `bare-fresh`  — the same with `InstanceMode::Fresh` (instantiate per call).
+//! * `batch-1`, `batch-10`, `batch-100` — `Executor::call_batch` (reuse).
+//! * `e2e-reuse`, `e2e-fresh` — a whole `Node` on a `MemoryBroker` with the
+//!   bundled noop handler; N messages pre-published; wall time from the node
+//!   being up until `Stats::handled` reaches N.
+//!
+//! Groups: `bare` (the five bare scenarios), `e2e` (both e2e), `all`.
+//! Output: a table on stdout, JSON in `target/bench/results.json`, one
+//! progress line per run on stderr.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use serde_json::{Value, json};
+
+use weir::config::{self, Config};
+use weir::envelope::{self, Envelope};
+use weir::node::{self, Node, NodeOptions};
+use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerSettings, InstanceMode, Runtime, RuntimeOptions};
+use weir::transport::memory::MemoryBroker;
+use weir::transport::{TopologySpec, Transport};
+
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const TOPOLOGY: &str = "bench";
+const MESSAGE_TYPE: &str = "bench.noop";
+const ALL: [&str; 7] = [
+    "bare-reuse",
+    "bare-fresh",
+    "batch-1",
+    "batch-10",
+    "batch-100",
+    "e2e-reuse",
+    "e2e-fresh",
+];
+
+#[derive(Debug, Clone)]
+struct Opts {
+    scenarios: Vec<&'static str>,
+    /// Messages per e2e reuse run.
+    messages: u64,
+    /// Messages per e2e fresh run.
+    fresh_messages: u64,
+    /// Calls (messages) per bare reuse / batch run.
+    bare_messages: u64,
+    /// Calls per bare fresh run.
+    bare_fresh_messages: u64,
+    runs: usize,
+    groups: u64,
+    /// Every k-th message has no group id.
+    ungrouped_every: u64,
+    slots: u32,
+    workers: usize,
+    /// `transport.prefetch` (0 = the config default).
+    prefetch: u32,
+    out: PathBuf,
+}
+
+fn usage() -> String {
+    format!(
+        "usage: weir-bench [SCENARIO|bare|e2e|all]... [--messages N] [--fresh-messages N] [--bare-messages N] \
+         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--out PATH]\n\
+         scenarios: {}",
+        ALL.join(", ")
+    )
+}
+
+fn parse_args() -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        scenarios: Vec::new(),
+        messages: 200_000,
+        fresh_messages: 50_000,
+        bare_messages: 200_000,
+        bare_fresh_messages: 20_000,
+        runs: 3,
+        groups: 1_000,
+        ungrouped_every: 10,
+        slots: 4,
+        workers: 0,
+        prefetch: 0,
+        out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench/results.json")),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut num = |name: &str| -> anyhow::Result<u64> {
+            let v = args
+                .next()
+                .with_context(|| format!("{name} needs a value\n{}", usage()))?;
+            v.replace('_', "")
+                .parse::<u64>()
+                .with_context(|| format!("{name} {v:?}: not a whole number"))
+        };
+        match a.as_str() {
+            "--messages" => o.messages = num("--messages")?,
+            "--fresh-messages" => o.fresh_messages = num("--fresh-messages")?,
+            "--bare-messages" => o.bare_messages = num("--bare-messages")?,
+            "--bare-fresh-messages" => o.bare_fresh_messages = num("--bare-fresh-messages")?,
+            "--runs" => o.runs = usize::try_from(num("--runs")?)?.max(1),
+            "--groups" => o.groups = num("--groups")?.max(1),
+            "--ungrouped-every" => o.ungrouped_every = num("--ungrouped-every")?,
+            "--slots" => o.slots = u32::try_from(num("--slots")?)?.max(1),
+            "--workers" => o.workers = usize::try_from(num("--workers")?)?,
+            "--prefetch" => o.prefetch = u32::try_from(num("--prefetch")?)?,
+            "--out" => o.out = PathBuf::from(args.next().with_context(usage)?),
+            "-h" | "--help" => {
+                println!("{}", usage());
+                std::process::exit(0);
+            }
+            "all" => o.scenarios.extend(ALL),
+            "bare" => o.scenarios.extend(&ALL[..5]),
+            "e2e" => o.scenarios.extend(&ALL[5..]),
+            s => match ALL.iter().find(|n| **n == s) {
+                Some(n) => o.scenarios.push(n),
+                None => bail!("unknown argument {s:?}\n{}", usage()),
+            },
+        }
+    }
+    if o.scenarios.is_empty() {
+        o.scenarios.extend(ALL);
+    }
+    o.scenarios.dedup();
+    Ok(o)
+}
+
+/// CPU time of the whole process (every thread), nanoseconds.
+fn process_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// The benchmark message: ~256-byte payload, a uuid id, a group, a tenant
+/// and two user headers.
+fn message(i: u64, group: Option<String>) -> Envelope {
+    let mut payload = format!(
+        r#"{{"order_id":"o-{i:010}","customer":"customer-{}","currency":"EUR","lines":[{{"sku":"sku-{}","qty":{},"unit_price_cents":{}}}],"note":""#,
+        i % 1000,
+        i % 97,
+        1 + i % 5,
+        100 + i % 900
+    )
+    .into_bytes();
+    payload.resize(254, b'x');
+    payload.extend_from_slice(b"\"}");
+    envelope::new_message(
+        envelope::fresh_id(),
+        MESSAGE_TYPE,
+        group,
+        Some("acme".into()),
+        vec![
+            ("x-trace-id".into(), format!("trace-{i:016x}")),
+            ("content-type".into(), "application/json".into()),
+        ],
+        payload,
+    )
+}
+
+/// One scenario's result: per-run ns/message and extra per-run metrics.
+struct Row {
+    name: &'static str,
+    messages: u64,
+    runs_ns: Vec<f64>,
+    extra: Vec<(&'static str, Vec<f64>)>,
+    note: String,
+}
+
+impl Row {
+    fn ns(&self) -> f64 {
+        median(&self.runs_ns)
+    }
+    fn extra(&self, key: &str) -> Option<f64> {
+        self.extra.iter().find(|(k, _)| *k == key).map(|(_, v)| median(v))
+    }
+    fn json(&self) -> Value {
+        let mut extra = serde_json::Map::new();
+        for (k, v) in &self.extra {
+            extra.insert((*k).to_owned(), json!({ "median": median(v), "runs": v }));
+        }
+        json!({
+            "scenario": self.name,
+            "messages_per_run": self.messages,
+            "ns_per_message": { "median": self.ns(), "runs": self.runs_ns },
+            "messages_per_second": 1e9 / self.ns(),
+            "extra": extra,
+            "note": self.note,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- bare ---
+
+fn load_noop(rt: &Arc<Runtime>, mode: InstanceMode) -> anyhow::Result<Arc<weir::runtime::HandlerVersion>> {
+    let mut settings = HandlerSettings::new("noop");
+    settings.instance_mode = mode;
+    rt.load(weir::node::bundled::NOOP, settings, "bundled:noop")
+}
+
+fn bare_call(
+    rt: &Arc<Runtime>,
+    mode: InstanceMode,
+    calls: u64,
+    runs: usize,
+    name: &'static str,
+) -> anyhow::Result<Row> {
+    let version = load_noop(rt, mode)?;
+    let mut exec = Executor::new(rt.clone());
+    let msg = message(7, Some("group-7".into()));
+    let once = |exec: &mut Executor, n: u64| -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        for _ in 0..n {
+            match exec.call(&version, std::hint::black_box(&msg), &None) {
+                CallOutcome::Done {
+                    result: Ok(()),
+                    published,
+                } if published.is_empty() => {}
+                other => bail!("{name}: unexpected outcome {other:?}"),
+            }
+        }
+        Ok(t.elapsed())
+    };
+    // Warm-up: instance creation, caches, branch predictors.
+    once(&mut exec, (calls / 10).max(100))?;
+    let mut runs_ns = Vec::new();
+    for r in 0..runs {
+        let d = once(&mut exec, calls)?;
+        let ns = d.as_nanos() as f64 / calls as f64;
+        eprintln!(
+            "[weir-bench] {name:<10} run {}/{runs}: {calls} calls in {:.3} s = {ns:.0} ns/msg",
+            r + 1,
+            d.as_secs_f64()
+        );
+        runs_ns.push(ns);
+    }
+    Ok(Row {
+        name,
+        messages: calls,
+        runs_ns,
+        extra: Vec::new(),
+        note: "one thread, Executor::call".into(),
+    })
+}
+
+fn bare_batch(rt: &Arc<Runtime>, size: usize, messages: u64, runs: usize, name: &'static str) -> anyhow::Result<Row> {
+    let version = load_noop(rt, InstanceMode::Reuse)?;
+    let mut exec = Executor::new(rt.clone());
+    let batch: Vec<Envelope> = (0..size as u64).map(|i| message(i, Some("group-7".into()))).collect();
+    let calls = (messages / size as u64).max(1);
+    let once = |exec: &mut Executor, n: u64| -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        for _ in 0..n {
+            match exec.call_batch(&version, std::hint::black_box(&batch), &None) {
+                BatchOutcome::Done { results, .. } if results.iter().all(Result::is_ok) => {}
+                other => bail!("{name}: unexpected outcome {other:?}"),
+            }
+        }
+        Ok(t.elapsed())
+    };
+    once(&mut exec, (calls / 10).max(10))?;
+    let mut runs_ns = Vec::new();
+    let mut per_call = Vec::new();
+    for r in 0..runs {
+        let d = once(&mut exec, calls)?;
+        let ns = d.as_nanos() as f64 / (calls * size as u64) as f64;
+        eprintln!(
+            "[weir-bench] {name:<10} run {}/{runs}: {calls} calls x {size} in {:.3} s = {ns:.0} ns/msg",
+            r + 1,
+            d.as_secs_f64()
+        );
+        runs_ns.push(ns);
+        per_call.push(d.as_nanos() as f64 / calls as f64);
+    }
+    Ok(Row {
+        name,
+        messages: calls * size as u64,
+        runs_ns,
+        extra: vec![("ns_per_call", per_call)],
+        note: format!("one thread, Executor::call_batch, {size} messages per call"),
+    })
+}
+
+// ----------------------------------------------------------------- e2e ---
+
+fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode) -> Config {
+    let mut handler = config::Handler::new("noop", "bundled:noop", TOPOLOGY, vec![MESSAGE_TYPE.into()]);
+    handler.instance_mode = mode;
+    Config {
+        node: config::Node {
+            name: "bench".into(),
+            admin: None,
+        },
+        transport: match prefetch {
+            0 => config::Transport::default(),
+            p => config::Transport {
+                prefetch: p,
+                ..config::Transport::default()
+            },
+        },
+        cluster: config::Cluster::default(),
+        topology: vec![config::Topology::new(TOPOLOGY, slots)],
+        handler: vec![handler],
+        origin: "<weir-bench>".into(),
+    }
+}
+
+struct E2eRun {
+    wall: Duration,
+    cpu_ns: u64,
+    startup: Duration,
+    handled_at_start: u64,
+    publish: Duration,
+}
+
+fn e2e_once(
+    tokio_rt: &tokio::runtime::Runtime,
+    o: &Opts,
+    mode: config::InstanceMode,
+    n: u64,
+) -> anyhow::Result<E2eRun> {
+    let config = bench_config(o.slots, o.prefetch, mode);
+    let broker = MemoryBroker::new();
+    let transport: Arc<dyn Transport> = Arc::new(broker.clone());
+    let cache = o.out.parent().map(|p| p.join("cache"));
+
+    // Pre-publish every message through the broker (not timed).
+    let tp = Instant::now();
+    tokio_rt.block_on(async {
+        transport
+            .declare(&TopologySpec {
+                name: TOPOLOGY.into(),
+                slots: o.slots,
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
+        for i in 0..n {
+            let group = match o.ungrouped_every {
+                k if k > 0 && i % k == k - 1 => None,
+                _ => Some(format!("group-{}", i % o.groups)),
+            };
+            node::publish(transport.as_ref(), TOPOLOGY, o.slots, &message(i, group))
+                .await
+                .map_err(|e| anyhow::anyhow!("publish {i}: {e}"))?;
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let publish = tp.elapsed();
+
+    let opts = NodeOptions {
+        workers: o.workers,
+        runtime: RuntimeOptions {
+            cache_dir: cache,
+            ..RuntimeOptions::default()
+        },
+        ..NodeOptions::default()
+    };
+    let t0 = Instant::now();
+    let node = tokio_rt.block_on(Node::start(&config, transport, opts))?;
+    // Runners are spawned at the very end of `start`; time from here.
+    let t1 = Instant::now();
+    let cpu1 = process_cpu_ns();
+    let stats = node.stats();
+    let handled_at_start = stats.handled.load(std::sync::atomic::Ordering::Relaxed);
+    // Poll from this (non-runtime) thread so the runtime's own threads are
+    // not disturbed beyond one atomic load every 200 µs.
+    let deadline = Duration::from_secs(600);
+    loop {
+        let s = stats.snapshot();
+        if s.handled >= n {
+            break;
+        }
+        if s.finished() + s.retry_scheduled + s.faults > s.handled {
+            bail!("e2e: something other than `handled` happened: {s:?}");
+        }
+        if t1.elapsed() > deadline {
+            bail!("e2e: only {} of {n} handled after {deadline:?}", s.handled);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let wall = t1.elapsed();
+    let cpu_ns = process_cpu_ns().saturating_sub(cpu1);
+    tokio_rt.block_on(node.shutdown())?;
+    let left = broker.total_depth(TOPOLOGY);
+    if left != 0 {
+        bail!("e2e: {left} messages left on the broker after all were handled");
+    }
+    Ok(E2eRun {
+        wall,
+        cpu_ns,
+        startup: t1 - t0,
+        handled_at_start,
+        publish,
+    })
+}
+
+fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Result<Row> {
+    // The same runtime `weir run` builds: multi-thread, one worker per core.
+    let tokio_rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let n = if mode == config::InstanceMode::Fresh {
+        o.fresh_messages
+    } else {
+        o.messages
+    };
+    let workers = match o.workers {
+        0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
+        w => w,
+    };
+    // Warm-up run (also fills the compiled-code cache), discarded.
+    let w = e2e_once(&tokio_rt, o, mode, (n / 10).max(1000))?;
+    eprintln!(
+        "[weir-bench] {name:<10} warm-up: {:.0} ns/msg (discarded)",
+        w.wall.as_nanos() as f64 / (n / 10).max(1000) as f64
+    );
+    let mut runs_ns = Vec::new();
+    let (mut x_workers, mut cpu, mut startup, mut at_start, mut publish) = (vec![], vec![], vec![], vec![], vec![]);
+    for r in 0..o.runs {
+        let run = e2e_once(&tokio_rt, o, mode, n)?;
+        // Messages handled before `start` returned (the runners start at its
+        // very end) are outside the timed window: leave them out.
+        let timed = n.saturating_sub(run.handled_at_start).max(1) as f64;
+        let ns = run.wall.as_nanos() as f64 / timed;
+        let cpu_ns = run.cpu_ns as f64 / timed;
+        eprintln!(
+            "[weir-bench] {name:<10} run {}/{}: {n} msgs in {:.3} s = {ns:.0} ns/msg wall, {:.0} msg/s, {cpu_ns:.0} CPU-ns/msg (startup {:.0} ms, {} handled before timing)",
+            r + 1,
+            o.runs,
+            run.wall.as_secs_f64(),
+            1e9 / ns,
+            run.startup.as_secs_f64() * 1e3,
+            run.handled_at_start
+        );
+        runs_ns.push(ns);
+        x_workers.push(ns * workers as f64);
+        cpu.push(cpu_ns);
+        startup.push(run.startup.as_secs_f64() * 1e3);
+        at_start.push(run.handled_at_start as f64);
+        publish.push(run.publish.as_secs_f64() * 1e3);
+    }
+    Ok(Row {
+        name,
+        messages: n,
+        runs_ns,
+        extra: vec![
+            ("wall_ns_x_workers", x_workers),
+            ("cpu_ns_per_message", cpu),
+            ("workers", vec![workers as f64]),
+            ("node_start_ms", startup),
+            ("handled_before_timing", at_start),
+            ("prepublish_ms", publish),
+        ],
+        note: format!(
+            "Node on MemoryBroker, {} slots, {} groups, every {}th message ungrouped, {workers} wasm workers",
+            o.slots, o.groups, o.ungrouped_every
+        ),
+    })
+}
+
+// ---------------------------------------------------------------- main ---
+
+fn machine() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cpu_model": model,
+        "loadavg_at_start": load.trim(),
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let o = parse_args()?;
+    let started = Instant::now();
+    let machine = machine();
+    eprintln!(
+        "[weir-bench] scenarios: {} (runs {}, load {})",
+        o.scenarios.join(" "),
+        o.runs,
+        machine["loadavg_at_start"]
+    );
+
+    let mut rows: Vec<Row> = Vec::new();
+    let needs_bare = o.scenarios.iter().any(|s| !s.starts_with("e2e"));
+    let rt = if needs_bare {
+        Some(Runtime::new(RuntimeOptions::default())?)
+    } else {
+        None
+    };
+    for s in o.scenarios.clone() {
+        let row = match (s, &rt) {
+            ("bare-reuse", Some(rt)) => bare_call(rt, InstanceMode::Reuse, o.bare_messages, o.runs, s)?,
+            ("bare-fresh", Some(rt)) => bare_call(rt, InstanceMode::Fresh, o.bare_fresh_messages, o.runs, s)?,
+            ("batch-1", Some(rt)) => bare_batch(rt, 1, o.bare_messages, o.runs, s)?,
+            ("batch-10", Some(rt)) => bare_batch(rt, 10, o.bare_messages, o.runs, s)?,
+            ("batch-100", Some(rt)) => bare_batch(rt, 100, o.bare_messages, o.runs, s)?,
+            ("e2e-reuse", _) => e2e(&o, config::InstanceMode::Reuse, s)?,
+            ("e2e-fresh", _) => e2e(&o, config::InstanceMode::Fresh, s)?,
+            _ => bail!("scenario {s} has no runner"),
+        };
+        rows.push(row);
+    }
+    drop(rt);
+
+    // Table.
+    println!();
+    println!(
+        "{:<11} {:>9} {:>12} {:>13} {:>15} {:>13}",
+        "scenario", "msgs/run", "ns/msg", "msg/s", "wall ns x wkrs", "CPU ns/msg"
+    );
+    for r in &rows {
+        let opt = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |x| format!("{x:.0}"));
+        println!(
+            "{:<11} {:>9} {:>12.0} {:>13.0} {:>15} {:>13}",
+            r.name,
+            r.messages,
+            r.ns(),
+            1e9 / r.ns(),
+            opt(r.extra("wall_ns_x_workers")),
+            opt(r.extra("cpu_ns_per_message")),
+        );
+    }
+    // Host overhead.
+    let find = |n: &str| rows.iter().find(|r| r.name == n);
+    let mut overhead = Vec::new();
+    for (e2e_name, bare_name) in [("e2e-reuse", "bare-reuse"), ("e2e-fresh", "bare-fresh")] {
+        if let (Some(e), Some(b)) = (find(e2e_name), find(bare_name)) {
+            let raw = e.ns() - b.ns();
+            let per_core = e.extra("wall_ns_x_workers").unwrap_or(f64::NAN) - b.ns();
+            let cpu = e.extra("cpu_ns_per_message").unwrap_or(f64::NAN) - b.ns();
+            overhead.push(json!({
+                "e2e": e2e_name,
+                "bare": bare_name,
+                "raw_wall_ns": raw,
+                "per_core_normalised_ns": per_core,
+                "cpu_time_ns": cpu,
+                "target_ns": 1500.0,
+                "meets_target_per_core_normalised": per_core <= 1500.0,
+            }));
+        }
+    }
+    if !overhead.is_empty() {
+        println!();
+        println!("host overhead = e2e − bare (target ≤ 1500 ns/msg, compare the per-core column)");
+        println!(
+            "{:<11} {:>14} {:>20} {:>16}",
+            "e2e", "raw wall ns", "per-core (wall x W)", "CPU-time ns"
+        );
+        for v in &overhead {
+            println!(
+                "{:<11} {:>14.0} {:>20.0} {:>16.0}",
+                v["e2e"].as_str().unwrap_or(""),
+                v["raw_wall_ns"].as_f64().unwrap_or(f64::NAN),
+                v["per_core_normalised_ns"].as_f64().unwrap_or(f64::NAN),
+                v["cpu_time_ns"].as_f64().unwrap_or(f64::NAN),
+            );
+        }
+    }
+
+    let doc = json!({
+        "tool": "weir-bench",
+        "machine": machine,
+        "loadavg_at_end": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
+        "runs_per_scenario": o.runs,
+        "statistic": "median of runs, after one discarded warm-up",
+        "elapsed_s": started.elapsed().as_secs_f64(),
+        "results": rows.iter().map(Row::json).collect::<Vec<_>>(),
+        "host_overhead": overhead,
+    });
+    if let Some(dir) = o.out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&o.out, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("writing {}", o.out.display()))?;
+    eprintln!(
+        "[weir-bench] wrote {} ({:.1} s total)",
+        o.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
