@@ -28,7 +28,7 @@ use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerSettings, Instan
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 
-#[cfg(feature = "mimalloc")]
+/// The same allocator as the `weir` binary, so the figures are the shipped host's.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

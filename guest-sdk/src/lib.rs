@@ -180,7 +180,8 @@ impl Message {
             .map(|(_, v)| v)
     }
 
-    /// All headers as delivered, `weir-*` ones included, in delivery order.
+    /// The other headers as delivered, in delivery order. The message id, type, group, tenant
+    /// and attempt are fields ([`Message::id`] and friends), not repeated here.
     pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> {
         self.inner.headers.iter().map(|(n, v)| (n.as_str(), v.as_str()))
     }

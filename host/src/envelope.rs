@@ -95,10 +95,10 @@ pub fn decode(
     fallback_id: impl FnOnce() -> String,
     attempt_override: Option<u32>,
 ) -> Result<Envelope, (Wire, DecodeError)> {
-    let message_type = match non_empty(wire.header(header::MESSAGE_TYPE)) {
-        Some(t) => t,
-        None => return Err((wire, DecodeError::Missing(header::MESSAGE_TYPE))),
-    };
+    // Validate before taking anything apart, so a refusal returns the wire intact.
+    if non_empty(wire.header(header::MESSAGE_TYPE)).is_none() {
+        return Err((wire, DecodeError::Missing(header::MESSAGE_TYPE)));
+    }
     let attempt = match (attempt_override, wire.header(header::ATTEMPT)) {
         (Some(a), _) => a,
         (None, None) => 1,
@@ -117,16 +117,39 @@ pub fn decode(
             }
         },
     };
-    let id = non_empty(wire.header(header::MESSAGE_ID)).unwrap_or_else(fallback_id);
-    let group_id = non_empty(wire.header(header::GROUP_ID));
-    let tenant_id = non_empty(wire.header(header::TENANT_ID));
+    // Move the derived headers' values into the fields (no copies); the
+    // guest sees them as fields, `headers` keeps everything else.
+    let Wire { headers: all, body } = wire;
+    let (mut id, mut message_type, mut group_id, mut tenant_id) = (None, String::new(), None, None);
+    let mut headers = Vec::with_capacity(all.len());
+    for (k, v) in all {
+        let field = match k.as_str() {
+            header::MESSAGE_ID => &mut id,
+            header::GROUP_ID => &mut group_id,
+            header::TENANT_ID => &mut tenant_id,
+            header::MESSAGE_TYPE => {
+                if message_type.is_empty() {
+                    message_type = v;
+                }
+                continue;
+            }
+            header::ATTEMPT => continue,
+            _ => {
+                headers.push((k, v));
+                continue;
+            }
+        };
+        if field.is_none() && !v.is_empty() {
+            *field = Some(v);
+        }
+    }
     Ok(Envelope {
-        id,
+        id: id.unwrap_or_else(fallback_id),
         message_type,
         group_id,
         tenant_id,
-        headers: wire.headers,
-        payload: wire.body,
+        headers,
+        payload: body,
         attempt,
     })
 }
@@ -229,6 +252,8 @@ mod tests {
         assert_eq!(back.tenant_id.as_deref(), Some("acme"));
         assert_eq!(back.header("x-trace"), Some("abc"));
         assert_eq!(back.attempt, 1);
+        // The derived headers are carried as fields, not repeated in `headers`.
+        assert_eq!(back.headers, vec![("x-trace".to_owned(), "abc".to_owned())]);
     }
 
     #[test]

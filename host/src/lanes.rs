@@ -101,7 +101,8 @@ impl LaneKind {
 }
 
 enum Done {
-    Group(String),
+    /// A job that ran the messages of these lanes (by lane key).
+    Groups(Vec<u64>),
     Unordered,
     Capture,
 }
@@ -109,7 +110,7 @@ enum Done {
 impl Done {
     fn kind(&self) -> LaneKind {
         match self {
-            Done::Group(_) => LaneKind::Grouped,
+            Done::Groups(_) => LaneKind::Grouped,
             Done::Unordered => LaneKind::Unordered,
             Done::Capture => LaneKind::Capture,
         }
@@ -122,6 +123,18 @@ struct Lane {
     running: bool,
     ready: bool,
 }
+
+/// The key of a group's lane: the FNV-1a hash of its id (the same hash the
+/// slot function starts from). Two groups whose ids collide share a lane and
+/// are serialised together: slower, never unsafe.
+fn lane_key(group: &str) -> u64 {
+    partition::fnv1a_64(group.as_bytes())
+}
+
+type LaneMap = HashMap<u64, Lane, nohash_hasher::BuildNoHashHasher<u64>>;
+
+/// Deliveries a runner takes from the subscription before it schedules.
+const BURST: usize = 512;
 
 /// What a runner did, returned when it stops.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -139,8 +152,10 @@ pub struct SlotRunner {
     p: Arc<Pipeline>,
     s: Arc<SlotSettings>,
     cancel: Arc<AtomicBool>,
-    lanes: HashMap<String, Lane>,
-    ready: VecDeque<String>,
+    lanes: LaneMap,
+    ready: VecDeque<u64>,
+    /// Messages waiting in lane queues (not yet handed to a worker).
+    queued: usize,
     running_groups: usize,
     unordered: VecDeque<Delivery>,
     running_unordered: usize,
@@ -155,8 +170,9 @@ impl SlotRunner {
             p,
             s: Arc::new(s),
             cancel: Arc::new(AtomicBool::new(false)),
-            lanes: HashMap::new(),
+            lanes: LaneMap::default(),
             ready: VecDeque::new(),
+            queued: 0,
             running_groups: 0,
             unordered: VecDeque::new(),
             running_unordered: 0,
@@ -190,6 +206,21 @@ impl SlotRunner {
                         Some(Ok(d)) => {
                             self.report.received += 1;
                             self.accept(d);
+                            // Take what else is already here in one go, so
+                            // jobs can carry several messages.
+                            for _ in 0..BURST {
+                                match sub.try_next() {
+                                    Some(Ok(d)) => {
+                                        self.report.received += 1;
+                                        self.accept(d);
+                                    }
+                                    Some(Err(e)) => {
+                                        tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error");
+                                        break;
+                                    }
+                                    None => break,
+                                }
+                            }
                         }
                         Some(Err(e)) => {
                             tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error");
@@ -214,6 +245,7 @@ impl SlotRunner {
             pending.extend(lane.queue.drain(..));
         }
         self.ready.clear();
+        self.queued = 0;
         self.report.released += pending.len() as u64;
         let stats = self.p.stats.clone();
         futures::future::join_all(pending.into_iter().map(|d| {
@@ -233,7 +265,7 @@ impl SlotRunner {
     }
 
     fn accept(&mut self, d: Delivery) {
-        let group = match &d.message {
+        let key = match &d.message {
             Err(_) => {
                 let (p, s) = (self.p.clone(), self.s.clone());
                 self.inflight.push(Box::pin(async move {
@@ -242,32 +274,33 @@ impl SlotRunner {
                 }));
                 return;
             }
-            Ok(env) => env.group().map(str::to_owned),
+            Ok(env) => env.group().filter(|_| !self.s.bypass_lanes).map(lane_key),
         };
-        match group {
-            Some(g) if !self.s.bypass_lanes => {
-                let lane = self.lanes.entry(g.clone()).or_default();
-                lane.queue.push_back(d);
-                if !lane.running && !lane.ready {
-                    lane.ready = true;
-                    self.ready.push_back(g);
-                }
-            }
-            _ => self.unordered.push_back(d),
+        let Some(key) = key else {
+            self.unordered.push_back(d);
+            return;
+        };
+        let lane = self.lanes.entry(key).or_default();
+        lane.queue.push_back(d);
+        self.queued += 1;
+        if !lane.running && !lane.ready {
+            lane.ready = true;
+            self.ready.push_back(key);
         }
     }
 
     fn finish(&mut self, done: Done) {
         match done {
-            Done::Group(g) => {
-                self.running_groups -= 1;
-                if let Some(lane) = self.lanes.get_mut(&g) {
+            Done::Groups(keys) => {
+                for key in keys {
+                    self.running_groups -= 1;
+                    let Some(lane) = self.lanes.get_mut(&key) else { continue };
                     lane.running = false;
                     if lane.queue.is_empty() {
-                        self.lanes.remove(&g);
+                        self.lanes.remove(&key);
                     } else if !lane.ready {
                         lane.ready = true;
-                        self.ready.push_back(g);
+                        self.ready.push_back(key);
                     }
                 }
             }
@@ -276,24 +309,41 @@ impl SlotRunner {
         }
     }
 
+    /// Hand ready work to the pool. A job may carry the next messages of
+    /// several lanes (each lane's in order, one lane after another, on one
+    /// worker); its size is the backlog shared out over the workers, capped
+    /// at `max_run`, so a backlog amortises the hand-off and a trickle still
+    /// goes out one message at a time.
     fn schedule(&mut self) {
-        while self.running_groups < self.s.max_concurrent_groups {
-            let Some(g) = self.ready.pop_front() else { break };
-            let Some(lane) = self.lanes.get_mut(&g) else { continue };
-            lane.ready = false;
-            let n = lane.queue.len().min(self.s.max_run.max(1));
-            let run: Vec<Delivery> = lane.queue.drain(..n).collect();
-            lane.running = true;
-            self.running_groups += 1;
+        let workers = self.p.pool.size().max(1);
+        let max_run = self.s.max_run.max(1);
+        while self.running_groups < self.s.max_concurrent_groups && !self.ready.is_empty() {
+            let target = (self.queued / workers).clamp(1, max_run);
+            let mut run: Vec<Delivery> = Vec::with_capacity(target);
+            let mut keys = Vec::new();
+            while run.len() < target && self.running_groups < self.s.max_concurrent_groups {
+                let Some(key) = self.ready.pop_front() else { break };
+                let Some(lane) = self.lanes.get_mut(&key) else { continue };
+                lane.ready = false;
+                let n = lane.queue.len().min(target - run.len());
+                run.extend(lane.queue.drain(..n));
+                self.queued -= n;
+                lane.running = true;
+                self.running_groups += 1;
+                keys.push(key);
+            }
+            if keys.is_empty() {
+                break;
+            }
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
             self.inflight.push(Box::pin(async move {
                 run_lane(p, s, c, run).await;
-                Done::Group(g)
+                Done::Groups(keys)
             }));
         }
-        let unordered_run = if self.s.bypass_lanes { 1 } else { self.s.max_run.max(1) };
+        let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
         while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
-            let n = self.unordered.len().min(unordered_run);
+            let n = (self.unordered.len() / workers).clamp(1, unordered_run).min(self.unordered.len());
             let run: Vec<Delivery> = self.unordered.drain(..n).collect();
             self.running_unordered += 1;
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
@@ -319,19 +369,17 @@ async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
         error: &error,
         source: &source,
         handler: None,
-        tag: &tag,
+        tag,
     };
-    let id = wire
-        .header(envelope::header::MESSAGE_ID)
-        .map_or_else(|| tag.clone(), str::to_owned);
+    let id = wire.header(envelope::header::MESSAGE_ID).map_or_else(|| tag.to_string(), str::to_owned);
     let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Raw(wire), acker, &prov).await;
     p.record(&id, outcome);
 }
 
 struct Pending {
     acker: Box<dyn Acker>,
-    source: String,
-    tag: String,
+    source: Arc<str>,
+    tag: u64,
     handler: Arc<HandlerVersion>,
 }
 
@@ -372,7 +420,7 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
                     error: &error,
                     source: &source,
                     handler: None,
-                    tag: &tag,
+                    tag,
                 };
                 let outcome = capture::capture(
                     p.transport.as_ref(),
@@ -454,7 +502,7 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
                 error: &reason,
                 source: &source,
                 handler: Some((handler.name(), digest)),
-                tag: &tag,
+                tag,
             };
             return capture::capture(
                 p.transport.as_ref(),
@@ -504,7 +552,7 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
                 error: &error,
                 source: &source,
                 handler: Some((handler.name(), digest)),
-                tag: &tag,
+                tag,
             };
             capture::capture(
                 p.transport.as_ref(),

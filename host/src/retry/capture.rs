@@ -85,7 +85,7 @@ pub struct Provenance<'a> {
     /// Handler name and component digest, when one was involved.
     pub handler: Option<(&'a str, &'a str)>,
     /// Broker position (delivery tag or stream sequence), for logs.
-    pub tag: &'a str,
+    pub tag: u64,
 }
 
 /// The message to capture: decoded, or raw when it did not decode.

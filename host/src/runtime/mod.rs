@@ -460,7 +460,8 @@ impl ShouldInterrupt for wasmtime::StoreContextMut<'_, HostState> {
 /// One per worker thread; not shared.
 pub struct Executor {
     runtime: Arc<Runtime>,
-    cache: HashMap<u64, (Arc<HandlerVersion>, Instance)>,
+    /// Reusable instances by version id (ids are unique: no hashing needed).
+    cache: HashMap<u64, (Arc<HandlerVersion>, Instance), nohash_hasher::BuildNoHashHasher<u64>>,
 }
 
 impl Executor {
@@ -468,7 +469,7 @@ impl Executor {
     pub fn new(runtime: Arc<Runtime>) -> Self {
         Self {
             runtime,
-            cache: HashMap::new(),
+            cache: HashMap::default(),
         }
     }
 

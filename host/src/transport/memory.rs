@@ -45,15 +45,63 @@ struct Stored {
     wire: Wire,
 }
 
+type IdMap<V> = HashMap<u64, V, nohash_hasher::BuildNoHashHasher<u64>>;
+
+/// The broker's own copy of a delivered message, kept until it is settled
+/// (to requeue it on release or when its consumer goes away): one flat
+/// buffer, so keeping it costs one allocation, not one per header.
+struct Held {
+    consumer: u64,
+    blob: Vec<u8>,
+}
+
+fn to_blob(w: &Wire) -> Vec<u8> {
+    let len = 8 + w.body.len() + w.headers.iter().map(|(k, v)| 8 + k.len() + v.len()).sum::<usize>();
+    let mut b = Vec::with_capacity(len);
+    b.extend_from_slice(&(w.headers.len() as u32).to_le_bytes());
+    for (k, v) in &w.headers {
+        b.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        b.extend_from_slice(k.as_bytes());
+        b.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        b.extend_from_slice(v.as_bytes());
+    }
+    b.extend_from_slice(&(w.body.len() as u32).to_le_bytes());
+    b.extend_from_slice(&w.body);
+    b
+}
+
+fn from_blob(b: &[u8]) -> Wire {
+    struct Reader<'a>(&'a [u8]);
+    impl<'a> Reader<'a> {
+        fn bytes(&mut self, n: usize) -> &'a [u8] {
+            let (head, rest) = self.0.split_at(n.min(self.0.len()));
+            self.0 = rest;
+            head
+        }
+        fn len(&mut self) -> usize {
+            u32::from_le_bytes(self.bytes(4).try_into().unwrap_or_default()) as usize
+        }
+        fn string(&mut self) -> String {
+            let n = self.len();
+            String::from_utf8_lossy(self.bytes(n)).into_owned()
+        }
+    }
+    let mut r = Reader(b);
+    let n = r.len();
+    let headers = (0..n).map(|_| (r.string(), r.string())).collect();
+    let body_len = r.len();
+    Wire { headers, body: r.bytes(body_len).to_vec() }
+}
+
 #[derive(Default)]
 struct Queue {
     ready: VecDeque<Stored>,
     delayed: BinaryHeap<Reverse<(Instant, u64)>>,
-    delayed_items: HashMap<u64, Stored>,
-    /// seq → (consumer, message)
-    unacked: HashMap<u64, (u64, Stored)>,
+    delayed_items: IdMap<Stored>,
+    /// seq → the consumer holding it and the broker's copy
+    unacked: IdMap<Held>,
     /// consumer → unacked count
-    per_consumer: HashMap<u64, u32>,
+    per_consumer: IdMap<u32>,
 }
 
 impl Queue {
@@ -79,7 +127,7 @@ impl Queue {
 }
 
 struct SlotQueue {
-    name: String,
+    name: Arc<str>,
     q: Mutex<Queue>,
     notify: Notify,
 }
@@ -219,7 +267,7 @@ impl Transport for MemoryBroker {
         let slots = (0..spec.slots)
             .map(|n| {
                 Arc::new(SlotQueue {
-                    name: format!("weir.{}.{n}", spec.name),
+                    name: Arc::from(format!("weir.{}.{n}", spec.name)),
                     q: Mutex::new(Queue::default()),
                     notify: Notify::new(),
                 })
@@ -298,11 +346,8 @@ impl MemorySubscription {
         }
         match g.ready.pop_front() {
             Some(s) => {
-                let copy = Stored {
-                    seq: s.seq,
-                    wire: s.wire.clone(),
-                };
-                g.unacked.insert(s.seq, (self.consumer, copy));
+                let held = Held { consumer: self.consumer, blob: to_blob(&s.wire) };
+                g.unacked.insert(s.seq, held);
                 *g.per_consumer.entry(self.consumer).or_default() += 1;
                 Ok(s)
             }
@@ -319,20 +364,7 @@ impl Subscription for MemorySubscription {
             tokio::pin!(notified);
             notified.as_mut().enable();
             match self.try_take() {
-                Ok(stored) => {
-                    let seq = stored.seq;
-                    let message = envelope::decode(stored.wire, || format!("memory-{seq}"), None);
-                    return Some(Ok(Delivery {
-                        message,
-                        source: self.queue.name.clone(),
-                        tag: seq.to_string(),
-                        acker: Box::new(MemoryAcker {
-                            broker: self.broker.clone(),
-                            queue: self.queue.clone(),
-                            seq,
-                        }),
-                    }));
-                }
+                Ok(stored) => return Some(Ok(self.delivery(stored))),
                 Err(Some(due)) => {
                     tokio::select! {
                         _ = &mut notified => {}
@@ -343,6 +375,23 @@ impl Subscription for MemorySubscription {
             }
         }
     }
+
+    fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        self.try_take().ok().map(|stored| Ok(self.delivery(stored)))
+    }
+}
+
+impl MemorySubscription {
+    fn delivery(&self, stored: Stored) -> Delivery {
+        let seq = stored.seq;
+        let message = envelope::decode(stored.wire, || format!("memory-{seq}"), None);
+        Delivery {
+            message,
+            source: self.queue.name.clone(),
+            tag: seq,
+            acker: Box::new(MemoryAcker { broker: self.broker.clone(), queue: self.queue.clone(), seq }),
+        }
+    }
 }
 
 impl Drop for MemorySubscription {
@@ -350,16 +399,11 @@ impl Drop for MemorySubscription {
     fn drop(&mut self) {
         {
             let mut g = self.queue.q.lock();
-            let mine: Vec<u64> = g
-                .unacked
-                .iter()
-                .filter(|(_, (c, _))| *c == self.consumer)
-                .map(|(s, _)| *s)
-                .collect();
+            let mine: Vec<u64> =
+                g.unacked.iter().filter(|(_, h)| h.consumer == self.consumer).map(|(s, _)| *s).collect();
             let mut back: Vec<Stored> = mine
                 .iter()
-                .filter_map(|s| g.unacked.remove(s))
-                .map(|(_, st)| st)
+                .filter_map(|s| g.unacked.remove(s).map(|h| Stored { seq: *s, wire: from_blob(&h.blob) }))
                 .collect();
             back.sort_by_key(|s| Reverse(s.seq));
             for s in back {
@@ -383,14 +427,14 @@ impl Acker for MemoryAcker {
         let taken = {
             let mut g = self.queue.q.lock();
             let taken = g.unacked.remove(&self.seq);
-            if let Some((consumer, _)) = &taken
-                && let Some(n) = g.per_consumer.get_mut(consumer)
+            if let Some(held) = &taken
+                && let Some(n) = g.per_consumer.get_mut(&held.consumer)
             {
                 *n = n.saturating_sub(1);
             }
             taken
         };
-        let Some((_, stored)) = taken else {
+        let Some(held) = taken else {
             return Err(TransportError::new(
                 ErrorKind::Settled,
                 format!(
@@ -416,10 +460,26 @@ impl Acker for MemoryAcker {
                 self.broker.enqueue(&self.queue, envelope::encode(&envelope), delay);
             }
             Disposition::Release => {
+                let stored = Stored { seq: self.seq, wire: from_blob(&held.blob) };
                 self.queue.q.lock().ready.push_front(stored);
                 self.queue.notify.notify_waiters();
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_copy_round_trips_headers_and_body() {
+        let w = Wire {
+            headers: vec![("weir-message-id".into(), "m-1".into()), ("x".into(), String::new()), ("ü".into(), "v".into())],
+            body: vec![0, 1, 2, 255],
+        };
+        assert_eq!(from_blob(&to_blob(&w)), w);
+        assert_eq!(from_blob(&to_blob(&Wire::default())), Wire::default());
     }
 }

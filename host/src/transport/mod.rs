@@ -5,6 +5,7 @@
 
 pub mod memory;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -93,9 +94,9 @@ pub struct Delivery {
     /// The decoded message, or the raw one and why it does not decode.
     pub message: Result<Envelope, (Wire, DecodeError)>,
     /// The queue or subject it came from (for `weir-source`).
-    pub source: String,
+    pub source: Arc<str>,
     /// Broker position for logs: delivery tag or stream sequence.
-    pub tag: String,
+    pub tag: u64,
     /// Settles it.
     pub acker: Box<dyn Acker>,
 }
@@ -115,6 +116,12 @@ pub trait Subscription: Send {
     /// The next delivery; `None` when the subscription has ended. Must be
     /// cancel-safe: dropping the future loses no message.
     async fn next(&mut self) -> Option<Result<Delivery, TransportError>>;
+
+    /// A delivery that is already here, without waiting; lets a runner take
+    /// a burst in one go. The default never has one.
+    fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        None
+    }
 }
 
 /// A topology as the transport needs to know it.
