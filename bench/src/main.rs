@@ -417,7 +417,7 @@ fn e2e_once(
 
 fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Result<Row> {
     // The same runtime `weir run` builds: multi-thread, one worker per core.
-    let tokio_rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let tokio_rt = node::async_runtime()?;
     let n = if mode == config::InstanceMode::Fresh {
         o.fresh_messages
     } else {

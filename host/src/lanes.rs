@@ -343,7 +343,9 @@ impl SlotRunner {
         }
         let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
         while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
-            let n = (self.unordered.len() / workers).clamp(1, unordered_run).min(self.unordered.len());
+            let n = (self.unordered.len() / workers)
+                .clamp(1, unordered_run)
+                .min(self.unordered.len());
             let run: Vec<Delivery> = self.unordered.drain(..n).collect();
             self.running_unordered += 1;
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
@@ -371,7 +373,9 @@ async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
         handler: None,
         tag,
     };
-    let id = wire.header(envelope::header::MESSAGE_ID).map_or_else(|| tag.to_string(), str::to_owned);
+    let id = wire
+        .header(envelope::header::MESSAGE_ID)
+        .map_or_else(|| tag.to_string(), str::to_owned);
     let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Raw(wire), acker, &prov).await;
     p.record(&id, outcome);
 }
@@ -459,15 +463,36 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
         }
     };
     drop(permits);
-    let settles = outcomes.into_iter().zip(pending).map(|((env, outcome), pend)| {
-        let (p, s) = (p.clone(), s.clone());
-        async move {
-            let id = p.observer.as_ref().map(|_| env.id.clone());
-            let o = settle(&p, &s, env, outcome, pend).await;
-            p.record(id.as_deref().unwrap_or_default(), o);
+    // The common case, handled with nothing to publish, only needs its ack:
+    // settle those in order right here. Everything else (cascades to
+    // confirm, retries, captures) may wait on the broker, so those settle
+    // concurrently, each boxed so this future stays small.
+    let mut slow = Vec::new();
+    for ((env, outcome), pend) in outcomes.into_iter().zip(pending) {
+        match outcome {
+            CallOutcome::Done {
+                result: Ok(()),
+                published,
+            } if published.is_empty() => {
+                if let Err(e) = pend.acker.settle(Disposition::Ack).await {
+                    p.stats.ack_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
+                }
+                p.record(&env.id, Outcome::Handled);
+            }
+            outcome => {
+                let (p, s) = (p.clone(), s.clone());
+                slow.push(Box::pin(async move {
+                    let id = p.observer.as_ref().map(|_| env.id.clone());
+                    let o = settle(&p, &s, env, outcome, pend).await;
+                    p.record(id.as_deref().unwrap_or_default(), o);
+                }));
+            }
         }
-    });
-    futures::future::join_all(settles).await;
+    }
+    if !slow.is_empty() {
+        futures::future::join_all(slow).await;
+    }
 }
 
 /// Turn a call's outcome into a settled delivery.

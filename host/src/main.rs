@@ -85,10 +85,7 @@ fn main() -> ExitCode {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
+    node::async_runtime().context("starting the async runtime")
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {

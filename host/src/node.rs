@@ -117,6 +117,22 @@ pub fn handler_settings(h: &config::Handler) -> HandlerSettings {
     s
 }
 
+/// Threads for the async side (broker I/O, lanes, settlement). The Wasm
+/// workers take one thread per core; the async side needs far less, and on a
+/// 2-core machine one thread beat two by 20 % end to end (BENCHMARKS.md).
+pub fn async_threads() -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    (cores / 2).max(1)
+}
+
+/// The async runtime `weir` runs on (see [`async_threads`]).
+pub fn async_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(async_threads())
+        .enable_all()
+        .build()
+}
+
 /// Build the transport a config asks for.
 pub fn transport_for(config: &Config) -> anyhow::Result<Arc<dyn Transport>> {
     match config.transport.kind {

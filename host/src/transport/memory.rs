@@ -90,7 +90,10 @@ fn from_blob(b: &[u8]) -> Wire {
     let n = r.len();
     let headers = (0..n).map(|_| (r.string(), r.string())).collect();
     let body_len = r.len();
-    Wire { headers, body: r.bytes(body_len).to_vec() }
+    Wire {
+        headers,
+        body: r.bytes(body_len).to_vec(),
+    }
 }
 
 #[derive(Default)]
@@ -346,7 +349,10 @@ impl MemorySubscription {
         }
         match g.ready.pop_front() {
             Some(s) => {
-                let held = Held { consumer: self.consumer, blob: to_blob(&s.wire) };
+                let held = Held {
+                    consumer: self.consumer,
+                    blob: to_blob(&s.wire),
+                };
                 g.unacked.insert(s.seq, held);
                 *g.per_consumer.entry(self.consumer).or_default() += 1;
                 Ok(s)
@@ -389,7 +395,11 @@ impl MemorySubscription {
             message,
             source: self.queue.name.clone(),
             tag: seq,
-            acker: Box::new(MemoryAcker { broker: self.broker.clone(), queue: self.queue.clone(), seq }),
+            acker: Box::new(MemoryAcker {
+                broker: self.broker.clone(),
+                queue: self.queue.clone(),
+                seq,
+            }),
         }
     }
 }
@@ -399,11 +409,20 @@ impl Drop for MemorySubscription {
     fn drop(&mut self) {
         {
             let mut g = self.queue.q.lock();
-            let mine: Vec<u64> =
-                g.unacked.iter().filter(|(_, h)| h.consumer == self.consumer).map(|(s, _)| *s).collect();
+            let mine: Vec<u64> = g
+                .unacked
+                .iter()
+                .filter(|(_, h)| h.consumer == self.consumer)
+                .map(|(s, _)| *s)
+                .collect();
             let mut back: Vec<Stored> = mine
                 .iter()
-                .filter_map(|s| g.unacked.remove(s).map(|h| Stored { seq: *s, wire: from_blob(&h.blob) }))
+                .filter_map(|s| {
+                    g.unacked.remove(s).map(|h| Stored {
+                        seq: *s,
+                        wire: from_blob(&h.blob),
+                    })
+                })
                 .collect();
             back.sort_by_key(|s| Reverse(s.seq));
             for s in back {
@@ -460,7 +479,10 @@ impl Acker for MemoryAcker {
                 self.broker.enqueue(&self.queue, envelope::encode(&envelope), delay);
             }
             Disposition::Release => {
-                let stored = Stored { seq: self.seq, wire: from_blob(&held.blob) };
+                let stored = Stored {
+                    seq: self.seq,
+                    wire: from_blob(&held.blob),
+                };
                 self.queue.q.lock().ready.push_front(stored);
                 self.queue.notify.notify_waiters();
             }
@@ -476,7 +498,11 @@ mod tests {
     #[test]
     fn held_copy_round_trips_headers_and_body() {
         let w = Wire {
-            headers: vec![("weir-message-id".into(), "m-1".into()), ("x".into(), String::new()), ("ü".into(), "v".into())],
+            headers: vec![
+                ("weir-message-id".into(), "m-1".into()),
+                ("x".into(), String::new()),
+                ("ü".into(), "v".into()),
+            ],
             body: vec![0, 1, 2, 255],
         };
         assert_eq!(from_blob(&to_blob(&w)), w);
