@@ -349,10 +349,7 @@ fn e2e_once(
     let tp = Instant::now();
     tokio_rt.block_on(async {
         transport
-            .declare(&TopologySpec {
-                name: TOPOLOGY.into(),
-                slots: o.slots,
-            })
+            .declare(&TopologySpec::new(TOPOLOGY, o.slots))
             .await
             .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
         for i in 0..n {

@@ -213,6 +213,7 @@ impl Node {
                 .declare(&TopologySpec {
                     name: t.name.clone(),
                     slots: t.slots,
+                    retry: t.retry_policy(),
                 })
                 .await
                 .with_context(|| format!("declaring topology[{ti}] `{}` on {}", t.name, transport.system()))?;

@@ -131,6 +131,21 @@ pub struct TopologySpec {
     pub name: String,
     /// Number of slots.
     pub slots: u32,
+    /// The retry policy: brokers that time redeliveries themselves write it
+    /// into their objects (JetStream `BackOff`/`MaxDeliver`; RabbitMQ rung
+    /// queues). The memory broker ignores it.
+    pub retry: crate::retry::schedule::RetryPolicy,
+}
+
+impl TopologySpec {
+    /// A topology with the default retry policy.
+    pub fn new(name: impl Into<String>, slots: u32) -> Self {
+        Self {
+            name: name.into(),
+            slots,
+            retry: crate::retry::schedule::RetryPolicy::default(),
+        }
+    }
 }
 
 /// A message broker.
