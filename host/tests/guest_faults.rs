@@ -375,7 +375,10 @@ async fn fault_scenario(kind: &str, reason: Reason, error_starts: &str) -> (Vec<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trap_is_retried_then_dead_lettered_while_others_are_served() {
-    let (calls, _, _) = fault_scenario("trap", Reason::Trap, "handler trapped").await;
+    let (calls, _, dl) = fault_scenario("trap", Reason::Trap, "handler trapped").await;
+    // The guest's panic message travels into the dead letter's error text.
+    let error = dl.header("weir-error").unwrap_or_default();
+    assert!(error.contains("trap requested by test"), "{error}");
     assert!(
         calls.iter().all(|c| c.duration() < TIMEOUT),
         "a trap ends the call at once"

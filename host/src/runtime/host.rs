@@ -46,6 +46,8 @@ pub struct HostState {
     pub(crate) cancel: Option<Arc<AtomicBool>>,
     /// Why the last call was interrupted, if it was.
     pub(crate) interrupted: Option<Interruption>,
+    /// The guest's stdout/stderr tail, unless it was granted the host's.
+    pub(crate) stdio: Option<super::stdio::TailPipe>,
 }
 
 /// Why the host stopped a running call.
@@ -61,6 +63,11 @@ impl HostState {
     pub(crate) fn new(settings: Arc<HandlerSettings>) -> Self {
         let mut wasi = WasiCtx::builder();
         settings.wasi.apply(&mut wasi);
+        let stdio = (!settings.wasi.inherit_stdio).then(|| {
+            let tail = super::stdio::TailPipe::new(4096);
+            wasi.stdout(tail.clone()).stderr(tail.clone());
+            tail
+        });
         Self {
             wasi: wasi.build(),
             table: ResourceTable::new(),
@@ -71,6 +78,7 @@ impl HostState {
             deadline: None,
             cancel: None,
             interrupted: None,
+            stdio,
         }
     }
 

@@ -9,6 +9,7 @@
 pub mod bindings;
 mod host;
 pub mod pool;
+pub mod stdio;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -500,6 +501,9 @@ impl Executor {
         data.cancel.clone_from(cancel);
         data.interrupted = None;
         data.take_memory_denied();
+        if let Some(tail) = &data.stdio {
+            tail.clear();
+        }
         data.call.message_id.clone_from(&msg.id);
         data.call.tenant_id.clone_from(&msg.tenant_id);
         data.outbox.clear();
@@ -514,7 +518,7 @@ impl Executor {
             (None, true) => FaultKind::MemoryLimit,
             (None, false) => FaultKind::Trap,
         };
-        let detail = match (kind, err.downcast_ref::<Trap>()) {
+        let mut detail = match (kind, err.downcast_ref::<Trap>()) {
             (FaultKind::Timeout, _) => format!("interrupted after {:?}", data.settings.timeout),
             (FaultKind::MemoryLimit, _) => {
                 format!("limit {} bytes; {err}", data.settings.memory_limit)
@@ -522,6 +526,11 @@ impl Executor {
             (_, Some(Trap::StackOverflow)) => "stack overflow".to_owned(),
             _ => format!("{err:#}"),
         };
+        // The guest's last words (a panic message) say more than the trap.
+        if let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(512)) {
+            detail.push_str("; guest output: ");
+            detail.push_str(&words);
+        }
         Fault { kind, detail }
     }
 
