@@ -197,7 +197,7 @@ impl SlotRunner {
             .map_err(|e| anyhow::anyhow!("subscribing to slot {} of topology `{}`: {e}", s.slot, s.topology))?;
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner started");
         if !*stop.borrow() {
-            loop {
+            'consume: loop {
                 tokio::select! {
                     biased;
                     Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
@@ -215,15 +215,21 @@ impl SlotRunner {
                                         self.accept(d);
                                     }
                                     Some(Err(e)) => {
-                                        tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error");
-                                        break;
+                                        tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
+                                        self.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                                        break 'consume;
                                     }
                                     None => break,
                                 }
                             }
                         }
                         Some(Err(e)) => {
-                            tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error");
+                            // The consumer is gone (connection lost): its
+                            // deliveries go back to the broker, which may hand
+                            // them to another consumer. Interrupt the calls in
+                            // flight so none of them runs alongside that one.
+                            tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
+                            self.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
                             break;
                         }
                         None => break,

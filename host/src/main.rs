@@ -10,6 +10,8 @@ use weir::config;
 use weir::demo::{self, DemoOptions};
 use weir::node::{self, Node, NodeOptions};
 
+mod publish;
+
 /// Weir: message handlers in WebAssembly, one host per node.
 #[derive(Parser)]
 #[command(name = "weir", version, about)]
@@ -36,6 +38,31 @@ enum Command {
         /// The node's TOML config.
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Publish messages through the configured broker to the slot of their
+    /// group (publisher confirms), with a progress bar for large counts.
+    Publish {
+        /// The node's TOML config (its transport and topologies).
+        #[arg(long)]
+        config: PathBuf,
+        /// Message type (`weir-message-type`).
+        #[arg(long = "type")]
+        message_type: String,
+        /// Group id (`weir-group-id`); without it messages are unordered.
+        #[arg(long)]
+        group: Option<String>,
+        /// Tenant id (`weir-tenant-id`).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// How many messages.
+        #[arg(long, default_value_t = 1)]
+        count: u64,
+        /// The payload: text, or `@FILE` for a file's bytes.
+        #[arg(long, default_value = "")]
+        payload: String,
+        /// Topology name; defaults to the config's only topology.
+        #[arg(long)]
+        topology: Option<String>,
     },
     /// Retry schedule tools.
     Schedule {
@@ -121,6 +148,32 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tracing::info!(slots = reports.len(), released, "drained; exiting");
                 Ok::<_, anyhow::Error>(())
             })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Publish {
+            config,
+            message_type,
+            group,
+            tenant,
+            count,
+            payload,
+            topology,
+        } => {
+            let cfg = config::load(&config)?;
+            let payload = match payload.strip_prefix('@') {
+                Some(file) => std::fs::read(file).with_context(|| format!("--payload @{file}: cannot read {file}"))?,
+                None => payload.into_bytes(),
+            };
+            let req = publish::Request {
+                message_type,
+                group,
+                tenant,
+                count,
+                payload,
+                topology,
+            };
+            let summary = runtime()?.block_on(publish::run(&cfg, req))?;
+            println!("{summary}");
             Ok(ExitCode::SUCCESS)
         }
         Command::Schedule {

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use tokio::sync::watch;
@@ -13,12 +14,14 @@ use crate::config::{self, ClusterMode, Config, TransportKind};
 use crate::envelope::{self, Envelope};
 use crate::lanes::{Pipeline, RunnerReport, SettleObserver, SlotRunner, SlotSettings};
 use crate::partition;
+use crate::retry::capture::{self, Captured, Outcome, Provenance, Reason};
 use crate::router::Router;
 use crate::runtime::pool::WorkerPool;
 use crate::runtime::{self, CallObserver, HandlerSettings, Runtime, RuntimeOptions};
 use crate::stats::Stats;
 use crate::transport::memory::MemoryBroker;
-use crate::transport::{TopologySpec, Transport, TransportError};
+use crate::transport::rabbitmq::RabbitMq;
+use crate::transport::{Delivery, Disposition, Subscription, TopologySpec, Transport, TransportError};
 
 /// Components shipped inside the `weir` binary, addressable in a config as
 /// `component = "bundled:NAME"`.
@@ -67,6 +70,8 @@ pub struct Node {
     pipeline: Arc<Pipeline>,
     stop: watch::Sender<bool>,
     runners: JoinSet<anyhow::Result<RunnerReport>>,
+    /// Ingress forwarders, one per topology (not part of the slot reports).
+    forwarders: JoinSet<anyhow::Result<RunnerReport>>,
     topologies: HashMap<String, u32>,
     owned: Vec<(String, u32)>,
 }
@@ -137,8 +142,17 @@ pub fn async_runtime() -> std::io::Result<tokio::runtime::Runtime> {
 pub fn transport_for(config: &Config) -> anyhow::Result<Arc<dyn Transport>> {
     match config.transport.kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
+        TransportKind::Rabbitmq => {
+            let url = config.transport.url.as_deref().filter(|u| !u.is_empty()).with_context(|| {
+                format!(
+                    "{}: transport.url is required for transport.kind = \"rabbitmq\", e.g. \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
+                    config.origin
+                )
+            })?;
+            Ok(Arc::new(RabbitMq::new(url, format!("weir {}", config.node.name))))
+        }
         other => bail!(
-            "{}: transport.kind = \"{}\" is not available in this build yet; accepted: \"memory\"",
+            "{}: transport.kind = \"{}\" is not available in this build yet; accepted: \"memory\", \"rabbitmq\"",
             config.origin,
             other.as_str()
         ),
@@ -206,6 +220,7 @@ impl Node {
 
         let (stop, stop_rx) = watch::channel(false);
         let mut runners = JoinSet::new();
+        let mut forwarders = JoinSet::new();
         let mut topologies = HashMap::new();
         let mut owned = Vec::new();
         for (ti, t) in config.topology.iter().enumerate() {
@@ -251,15 +266,25 @@ impl Node {
                     bypass_lanes: opts.bypass_lanes,
                 };
                 owned.push((t.name.clone(), slot));
-                let runner = SlotRunner::new(pipeline.clone(), settings);
-                runners.spawn(runner.run(stop_rx.clone()));
+                runners.spawn(supervise_slot(pipeline.clone(), settings, stop_rx.clone()));
             }
+            // Every node forwards the ingress: the queue has a single active
+            // consumer, so one forwarder runs at a time (in order) and
+            // another takes over when it goes away.
+            forwarders.spawn(forward_ingress(
+                pipeline.clone(),
+                Arc::from(t.name.as_str()),
+                t.slots,
+                config.transport.prefetch,
+                stop_rx.clone(),
+            ));
         }
         tracing::info!(node = %config.node.name, slots = owned.len(), transport = transport.system(), "node started");
         Ok(Self {
             pipeline,
             stop,
             runners,
+            forwarders,
             topologies,
             owned,
         })
@@ -289,6 +314,14 @@ impl Node {
         while let Some(r) = self.runners.join_next().await {
             reports.push(r.context("a slot runner panicked")??);
         }
+        while let Some(r) = self.forwarders.join_next().await {
+            let report = r.context("an ingress forwarder panicked")??;
+            tracing::debug!(
+                forwarded = report.received,
+                released = report.released,
+                "ingress forwarder stopped"
+            );
+        }
         Ok(reports)
     }
 }
@@ -303,4 +336,180 @@ pub async fn publish(
 ) -> Result<(), TransportError> {
     let slot = partition::slot_for(env.group(), &env.id, slots);
     transport.publish(topology, slot, envelope::encode(env)).await
+}
+
+/// True once the node is stopping (stop sent, or its sender gone).
+fn stopping(stop: &watch::Receiver<bool>) -> bool {
+    *stop.borrow() || stop.has_changed().is_err()
+}
+
+/// Sleep `delay`, or less if the node stops; true when it stopped.
+async fn pause(stop: &mut watch::Receiver<bool>, delay: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => stopping(stop),
+        changed = stop.changed() => changed.is_err() || *stop.borrow(),
+    }
+}
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+fn merge(total: &mut RunnerReport, r: RunnerReport) {
+    total.received += r.received;
+    total.released += r.released;
+    total.drained.extend(r.drained);
+}
+
+/// Run a slot until the node stops. A runner whose subscription ends without
+/// a stop (connection lost, consumer cancelled) has drained already; it is
+/// started again after a backoff, which reconnects and re-declares.
+async fn supervise_slot(
+    p: Arc<Pipeline>,
+    settings: SlotSettings,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<RunnerReport> {
+    let mut total = RunnerReport::default();
+    let mut backoff = BACKOFF_MIN;
+    let system = p.transport.system();
+    loop {
+        let started = Instant::now();
+        let result = SlotRunner::new(p.clone(), settings.clone()).run(stop.clone()).await;
+        let error = match result {
+            Ok(r) => {
+                merge(&mut total, r);
+                None
+            }
+            Err(e) if stopping(&stop) => return Err(e),
+            Err(e) => Some(e),
+        };
+        if stopping(&stop) {
+            return Ok(total);
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            backoff = BACKOFF_MIN;
+        }
+        tracing::warn!(
+            messaging.system = system, topology = %settings.topology, slot = settings.slot,
+            error = error.map(|e| format!("{e:#}")).unwrap_or_else(|| "subscription ended".into()),
+            ?backoff, "slot runner stopped without a stop request; restarting"
+        );
+        if pause(&mut stop, backoff).await {
+            return Ok(total);
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// Forward the topology's ingress to the slot queues until the node stops:
+/// each message is published to the slot of its group (or of its id) through
+/// the broker, and acked once that publish is confirmed. A message that does
+/// not decode is dead-lettered `undecodable`, never dropped.
+async fn forward_ingress(
+    p: Arc<Pipeline>,
+    topology: Arc<str>,
+    slots: u32,
+    prefetch: u32,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<RunnerReport> {
+    let mut total = RunnerReport::default();
+    let mut backoff = BACKOFF_MIN;
+    let system = p.transport.system();
+    while !stopping(&stop) {
+        let mut sub = match p.transport.subscribe_ingress(&topology, prefetch).await {
+            Ok(None) => return Ok(total),
+            Ok(Some(sub)) => sub,
+            Err(e) => {
+                tracing::warn!(messaging.system = system, topology = %topology, error = %e, ?backoff, "cannot consume the ingress; retrying");
+                if pause(&mut stop, backoff).await {
+                    break;
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+        };
+        backoff = BACKOFF_MIN;
+        loop {
+            let next = tokio::select! {
+                biased;
+                changed = stop.changed() => if changed.is_err() || *stop.borrow() { break } else { continue },
+                next = sub.next() => next,
+            };
+            match next {
+                Some(Ok(d)) => {
+                    total.received += 1;
+                    if !forward_one(&p, &topology, slots, d).await && pause(&mut stop, backoff).await {
+                        break;
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(messaging.system = system, topology = %topology, error = %e, "ingress consumer ended; resubscribing");
+                    break;
+                }
+                None => break,
+            }
+        }
+        drain_ingress(sub.as_mut(), &mut total).await;
+        if !stopping(&stop) && pause(&mut stop, backoff).await {
+            break;
+        }
+    }
+    Ok(total)
+}
+
+/// Release what the ingress subscription already holds, before it is dropped.
+async fn drain_ingress(sub: &mut dyn Subscription, total: &mut RunnerReport) {
+    while let Some(Ok(d)) = sub.try_next() {
+        total.released += 1;
+        let _ = d.acker.settle(Disposition::Release).await;
+    }
+}
+
+/// Forward one ingress delivery; false when it had to be returned (publish failed).
+async fn forward_one(p: &Pipeline, topology: &str, slots: u32, d: Delivery) -> bool {
+    let Delivery {
+        message,
+        source,
+        tag,
+        acker,
+    } = d;
+    let system = p.transport.system();
+    match message {
+        Ok(env) => {
+            let slot = partition::slot_for(env.group(), &env.id, slots);
+            match p.transport.publish(topology, slot, envelope::encode(&env)).await {
+                Ok(()) => {
+                    if let Err(e) = acker.settle(Disposition::Ack).await {
+                        tracing::warn!(messaging.system = system, topology, slot, tag, error = %e, "ingress ack failed after the forward was confirmed; it may be forwarded twice");
+                    }
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(messaging.system = system, topology, slot, tag, error = %e, "forwarding an ingress message failed; returning it");
+                    if let Err(e) = acker.settle(Disposition::Release).await {
+                        tracing::warn!(messaging.system = system, topology, tag, error = %e, "release of an ingress message failed; the broker redelivers it");
+                    }
+                    false
+                }
+            }
+        }
+        Err((wire, err)) => {
+            let error = err.to_string();
+            let prov = Provenance {
+                reason: Reason::Undecodable,
+                error: &error,
+                source: &source,
+                handler: None,
+                tag,
+            };
+            let id = wire
+                .header(envelope::header::MESSAGE_ID)
+                .map_or_else(|| format!("{source}#{tag}"), str::to_owned);
+            let outcome = capture::capture(p.transport.as_ref(), topology, Captured::Raw(wire), acker, &prov).await;
+            p.stats.record(outcome);
+            if let Some(o) = &p.observer {
+                o.settled(&id, outcome);
+            }
+            !matches!(outcome, Outcome::Requeued)
+        }
+    }
 }

@@ -4,6 +4,7 @@
 //! ([`Acker::settle`]). Everything above this module is broker-neutral.
 
 pub mod memory;
+pub mod rabbitmq;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,6 +168,16 @@ pub trait Transport: Send + Sync + 'static {
         slot: u32,
         prefetch: u32,
     ) -> Result<Box<dyn Subscription>, TransportError>;
+
+    /// Consume the topology's ingress (messages published without a slot,
+    /// which the host forwards to their slot). `None`: this broker has none.
+    async fn subscribe_ingress(
+        &self,
+        _topology: &str,
+        _prefetch: u32,
+    ) -> Result<Option<Box<dyn Subscription>>, TransportError> {
+        Ok(None)
+    }
 
     /// Publish to a slot and wait for the broker's confirm.
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError>;
