@@ -51,14 +51,15 @@ async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyh
 }
 
 async fn cleanup(url: &str, topo: &str, slots: u32) {
+    let rungs = weir::transport::rabbitmq::rungs(&TopologySpec::new(topo, slots));
     let Ok(conn) = Connection::connect(url, ConnectionProperties::default()).await else {
         return;
     };
     if let Ok(ch) = conn.create_channel().await {
-        for q in names::queues(topo, slots, &[]) {
+        for q in names::queues(topo, slots, &rungs) {
             let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
         }
-        for e in names::exchanges(topo, &[]) {
+        for e in names::exchanges(topo, &rungs) {
             let _ = ch.exchange_delete(e.as_str().into(), Default::default()).await;
         }
     }
