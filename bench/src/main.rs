@@ -10,6 +10,11 @@
 //!   bundled noop handler; N messages pre-published; wall time from the node
 //!   being up until `Stats::handled` reaches N.
 //!
+//! * `rabbitmq-drain` — a backlog of N persistent messages on RabbitMQ
+//!   (`--amqp URL`), drained by a bare lapin consumer (no-op, `multiple` ack
+//!   every 128) and then by a Weir node with the noop guest, same prefetch;
+//!   rows `rmq-bare` and `rmq-weir` and their ratio. Not part of `all`.
+//!
 //! Groups: `bare` (the five bare scenarios), `e2e` (both e2e), `all`.
 //! Output: a table on stdout, JSON in `target/bench/results.json`, one
 //! progress line per run on stderr.
@@ -27,6 +32,8 @@ use weir::node::{self, Node, NodeOptions};
 use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerSettings, InstanceMode, Runtime, RuntimeOptions};
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
+
+mod rabbit;
 
 /// The same allocator as the `weir` binary, so the figures are the shipped host's.
 #[global_allocator]
@@ -63,13 +70,15 @@ struct Opts {
     workers: usize,
     /// `transport.prefetch` (0 = the config default).
     prefetch: u32,
+    /// RabbitMQ for `rabbitmq-drain`.
+    amqp: String,
     out: PathBuf,
 }
 
 fn usage() -> String {
     format!(
         "usage: weir-bench [SCENARIO|bare|e2e|all]... [--messages N] [--fresh-messages N] [--bare-messages N] \
-         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--out PATH]\n\
+         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--amqp URL] [--out PATH]\n\
          scenarios: {}",
         ALL.join(", ")
     )
@@ -88,6 +97,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         slots: 4,
         workers: 0,
         prefetch: 0,
+        amqp: std::env::var("WEIR_BENCH_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
         out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench/results.json")),
     };
     let mut args = std::env::args().skip(1);
@@ -112,6 +122,7 @@ fn parse_args() -> anyhow::Result<Opts> {
             "--workers" => o.workers = usize::try_from(num("--workers")?)?,
             "--prefetch" => o.prefetch = u32::try_from(num("--prefetch")?)?,
             "--out" => o.out = PathBuf::from(args.next().with_context(usage)?),
+            "--amqp" => o.amqp = args.next().with_context(usage)?,
             "-h" | "--help" => {
                 println!("{}", usage());
                 std::process::exit(0);
@@ -119,6 +130,7 @@ fn parse_args() -> anyhow::Result<Opts> {
             "all" => o.scenarios.extend(ALL),
             "bare" => o.scenarios.extend(&ALL[..5]),
             "e2e" => o.scenarios.extend(&ALL[5..]),
+            "rabbitmq-drain" => o.scenarios.push("rabbitmq-drain"),
             s => match ALL.iter().find(|n| **n == s) {
                 Some(n) => o.scenarios.push(n),
                 None => bail!("unknown argument {s:?}\n{}", usage()),
@@ -474,6 +486,73 @@ fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Resu
     })
 }
 
+// ------------------------------------------------------ rabbitmq-drain ---
+
+fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
+    let tokio_rt = node::async_runtime()?;
+    let prefetch = match o.prefetch {
+        0 => config::Transport::default().prefetch,
+        p => p,
+    };
+    let prefetch16 = u16::try_from(prefetch).context("--prefetch must fit in 16 bits for RabbitMQ")?;
+    let n = o.messages;
+    let cache = o.out.parent().map(|p| p.join("cache"));
+    let (mut bare_ns, mut weir_ns) = (Vec::new(), Vec::new());
+    // Warm-up (compiles the guest into the cache), discarded.
+    tokio_rt.block_on(rabbit::weir(
+        &o.amqp,
+        o.slots,
+        (n / 10).max(1000),
+        o.groups,
+        prefetch16,
+        o.workers,
+        cache.clone(),
+    ))?;
+    for r in 0..o.runs {
+        let b = tokio_rt.block_on(rabbit::bare(&o.amqp, o.slots, n, o.groups, prefetch16))?;
+        let w = tokio_rt.block_on(rabbit::weir(
+            &o.amqp,
+            o.slots,
+            n,
+            o.groups,
+            prefetch16,
+            o.workers,
+            cache.clone(),
+        ))?;
+        let (bns, wns) = (b.wall.as_nanos() as f64 / n as f64, w.wall.as_nanos() as f64 / n as f64);
+        eprintln!(
+            "[weir-bench] rabbitmq-drain run {}/{}: bare {:.0} msg/s, weir {:.0} msg/s, ratio {:.2}",
+            r + 1,
+            o.runs,
+            1e9 / bns,
+            1e9 / wns,
+            bns / wns
+        );
+        bare_ns.push(bns);
+        weir_ns.push(wns);
+    }
+    let note = format!(
+        "{n} persistent msgs preloaded on {} slot queues, prefetch {prefetch}, {} groups",
+        o.slots, o.groups
+    );
+    Ok((
+        Row {
+            name: "rmq-bare",
+            messages: n,
+            runs_ns: bare_ns,
+            extra: vec![],
+            note: format!("bare lapin consumer per slot queue, no-op, multiple ack every 128; {note}"),
+        },
+        Row {
+            name: "rmq-weir",
+            messages: n,
+            runs_ns: weir_ns,
+            extra: vec![],
+            note: format!("Weir node, noop guest (timed from Node::start); {note}"),
+        },
+    ))
+}
+
 // ---------------------------------------------------------------- main ---
 
 fn machine() -> Value {
@@ -504,7 +583,10 @@ fn main() -> anyhow::Result<()> {
     );
 
     let mut rows: Vec<Row> = Vec::new();
-    let needs_bare = o.scenarios.iter().any(|s| !s.starts_with("e2e"));
+    let needs_bare = o
+        .scenarios
+        .iter()
+        .any(|s| !s.starts_with("e2e") && !s.starts_with("rabbitmq"));
     let rt = if needs_bare {
         Some(Runtime::new(RuntimeOptions::default())?)
     } else {
@@ -519,6 +601,11 @@ fn main() -> anyhow::Result<()> {
             ("batch-100", Some(rt)) => bare_batch(rt, 100, o.bare_messages, o.runs, s)?,
             ("e2e-reuse", _) => e2e(&o, config::InstanceMode::Reuse, s)?,
             ("e2e-fresh", _) => e2e(&o, config::InstanceMode::Fresh, s)?,
+            ("rabbitmq-drain", _) => {
+                let (bare, weir) = rabbitmq_drain(&o)?;
+                rows.push(bare);
+                weir
+            }
             _ => bail!("scenario {s} has no runner"),
         };
         rows.push(row);
@@ -562,6 +649,13 @@ fn main() -> anyhow::Result<()> {
             }));
         }
     }
+    let mut rabbitmq_drain = Value::Null;
+    if let (Some(b), Some(w)) = (find("rmq-bare"), find("rmq-weir")) {
+        let ratio = b.ns() / w.ns();
+        println!();
+        println!("rabbitmq-drain: Weir / bare consumer = {ratio:.2} (target >= 0.90)");
+        rabbitmq_drain = json!({ "weir_over_bare": ratio, "target": 0.9, "meets_target": ratio >= 0.9 });
+    }
     if !overhead.is_empty() {
         println!();
         println!("host overhead = e2e − bare (target ≤ 1500 ns/msg, compare the per-core column)");
@@ -589,6 +683,7 @@ fn main() -> anyhow::Result<()> {
         "elapsed_s": started.elapsed().as_secs_f64(),
         "results": rows.iter().map(Row::json).collect::<Vec<_>>(),
         "host_overhead": overhead,
+        "rabbitmq_drain": rabbitmq_drain,
     });
     if let Some(dir) = o.out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

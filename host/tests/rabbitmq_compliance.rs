@@ -178,9 +178,11 @@ impl CallObserver for Observer {
     }
 }
 
+/// Fields drop in order: the node (its tasks aborted) before the topology's
+/// objects are deleted, so a failing test cannot re-declare them afterwards.
 struct Harness {
-    topo: Topo,
     node: Option<Node>,
+    topo: Topo,
     obs: Arc<Observer>,
     ledger: Arc<LedgerSettle>,
     seen: Arc<Mutex<Vec<Seen>>>,

@@ -1,0 +1,214 @@
+//! `rabbitmq-drain`: a backlog of N persistent messages on the slot queues of
+//! a fresh topology, drained (1) by a bare lapin consumer per slot queue with
+//! a no-op native handler that acks with `multiple` every 128 deliveries, and
+//! (2) by a Weir node with the noop guest; same prefetch, same backlog shape,
+//! in one run. Each drain gets its own topology, deleted afterwards.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use futures::StreamExt as _;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+
+use weir::config::{self, Config};
+use weir::node::{self, Node, NodeOptions};
+use weir::runtime::RuntimeOptions;
+use weir::transport::rabbitmq::{RabbitMq, names};
+use weir::transport::{TopologySpec, Transport};
+
+/// Acks of the bare consumer: one `multiple` ack per this many deliveries.
+const BARE_ACK_EVERY: u64 = 128;
+
+/// What one drain measured.
+pub struct Drain {
+    pub wall: Duration,
+}
+
+fn topology_name() -> String {
+    format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyhow::Result<()> {
+    let t = RabbitMq::new(url, "weir-bench preload");
+    t.declare(&TopologySpec::new(topo, slots))
+        .await
+        .map_err(|e| anyhow::anyhow!("declaring {topo}: {e}"))?;
+    let t = &t;
+    let mut results = futures::stream::iter(0..n)
+        .map(|i| async move {
+            let env = crate::message(i, Some(format!("group-{}", i % groups)));
+            node::publish(t, topo, slots, &env).await
+        })
+        .buffer_unordered(256);
+    while let Some(r) = results.next().await {
+        r.map_err(|e| anyhow::anyhow!("preloading {topo}: {e}"))?;
+    }
+    t.close().await;
+    Ok(())
+}
+
+async fn cleanup(url: &str, topo: &str, slots: u32) {
+    let rungs = weir::transport::rabbitmq::rungs(&TopologySpec::new(topo, slots));
+    let Ok(conn) = Connection::connect(url, ConnectionProperties::default()).await else {
+        return;
+    };
+    if let Ok(ch) = conn.create_channel().await {
+        for q in names::queues(topo, slots, &rungs) {
+            let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+        }
+        for e in names::exchanges(topo, &rungs) {
+            let _ = ch.exchange_delete(e.as_str().into(), Default::default()).await;
+        }
+    }
+    let _ = conn.close(200, "bench done".into()).await;
+}
+
+/// Messages ready in a queue (passive declare).
+async fn depth(ch: &lapin::Channel, queue: &str) -> anyhow::Result<u64> {
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("inspecting {queue}"))?;
+    Ok(u64::from(q.message_count()))
+}
+
+/// The bare consumer: one channel and consumer per slot queue, no-op handler,
+/// `multiple` ack every 128 deliveries and at the end.
+pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u16) -> anyhow::Result<Drain> {
+    let topo = topology_name();
+    preload(url, &topo, slots, n, groups).await?;
+    let result = async {
+        let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+        let probe = conn.create_channel().await?;
+        let mut counts = Vec::new();
+        for s in 0..slots {
+            counts.push(depth(&probe, &names::slot_queue(&topo, s)).await?);
+        }
+        let t0 = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (s, count) in counts.into_iter().enumerate() {
+            let ch = conn.create_channel().await?;
+            ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
+            let queue = names::slot_queue(&topo, u32::try_from(s)?);
+            let mut consumer = ch
+                .basic_consume(
+                    queue.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            tasks.spawn(async move {
+                let mut got = 0u64;
+                while got < count {
+                    let d = consumer.next().await.context("consumer ended")??;
+                    got += 1;
+                    std::hint::black_box(&d.data);
+                    if got.is_multiple_of(BARE_ACK_EVERY) || got == count {
+                        ch.basic_ack(d.delivery_tag, BasicAckOptions { multiple: true }).await?;
+                    }
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r??;
+        }
+        let wall = t0.elapsed();
+        let _ = conn.close(200, "bench done".into()).await;
+        anyhow::Ok(Drain { wall })
+    }
+    .await;
+    cleanup(url, &topo, slots).await;
+    result
+}
+
+fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
+    let handler = config::Handler::new("noop", "bundled:noop", topo, vec![crate::MESSAGE_TYPE.into()]);
+    let mut t = config::Topology::new(topo, slots);
+    t.max_concurrent_groups = 256;
+    Config {
+        node: config::Node {
+            name: "bench".into(),
+            admin: None,
+        },
+        transport: config::Transport {
+            kind: config::TransportKind::Rabbitmq,
+            url: Some(url.to_owned()),
+            prefetch,
+        },
+        cluster: config::Cluster::default(),
+        topology: vec![t],
+        handler: vec![handler],
+        origin: "<weir-bench rabbitmq-drain>".into(),
+    }
+}
+
+/// Weir with the noop guest on the same backlog; wall time from the node
+/// being up until every message was handled.
+pub async fn weir(
+    url: &str,
+    slots: u32,
+    n: u64,
+    groups: u64,
+    prefetch: u16,
+    workers: usize,
+    cache: Option<std::path::PathBuf>,
+) -> anyhow::Result<Drain> {
+    let topo = topology_name();
+    preload(url, &topo, slots, n, groups).await?;
+    let result = async {
+        let cfg = weir_config(url, &topo, slots, u32::from(prefetch));
+        let transport: Arc<dyn Transport> = Arc::new(RabbitMq::new(url, "weir-bench node"));
+        let opts = NodeOptions {
+            workers,
+            runtime: RuntimeOptions {
+                cache_dir: cache,
+                ..RuntimeOptions::default()
+            },
+            ..NodeOptions::default()
+        };
+        let t0 = Instant::now();
+        let node = Node::start(&cfg, transport, opts).await?;
+        let stats = node.stats();
+        loop {
+            let s = stats.snapshot();
+            if s.handled >= n {
+                break;
+            }
+            if s.finished() + s.retry_scheduled + s.faults > s.handled {
+                bail!("rabbitmq-drain: something other than `handled` happened: {s:?}");
+            }
+            if t0.elapsed() > Duration::from_secs(600) {
+                bail!("rabbitmq-drain: only {} of {n} handled after 600 s", s.handled);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let wall = t0.elapsed();
+        node.shutdown().await?;
+        let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+        let probe = conn.create_channel().await?;
+        let mut left = 0;
+        for s in 0..slots {
+            left += depth(&probe, &names::slot_queue(&topo, s)).await?;
+        }
+        let _ = conn.close(200, "bench done".into()).await;
+        if left != 0 {
+            bail!("rabbitmq-drain: {left} messages still queued after all were handled");
+        }
+        anyhow::Ok(Drain { wall })
+    }
+    .await;
+    cleanup(url, &topo, slots).await;
+    result
+}
