@@ -371,19 +371,35 @@ async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
         acker,
     } = d;
     let Err((wire, err)) = message else { return };
+    capture_raw(p, &s.topology, wire, &err, &source, tag, acker).await;
+}
+
+/// Dead-letter a message that did not decode (reason `undecodable`), keep
+/// its bytes and headers as received, and record the outcome under its
+/// message id (or `source#tag` when it has none).
+pub(crate) async fn capture_raw(
+    p: &Pipeline,
+    topology: &str,
+    wire: crate::envelope::Wire,
+    err: &crate::envelope::DecodeError,
+    source: &str,
+    tag: u64,
+    acker: Box<dyn Acker>,
+) -> Outcome {
     let error = err.to_string();
     let prov = Provenance {
         reason: Reason::Undecodable,
         error: &error,
-        source: &source,
+        source,
         handler: None,
         tag,
     };
     let id = wire
         .header(envelope::header::MESSAGE_ID)
-        .map_or_else(|| tag.to_string(), str::to_owned);
-    let outcome = capture::capture(p.transport.as_ref(), &s.topology, Captured::Raw(wire), acker, &prov).await;
+        .map_or_else(|| format!("{source}#{tag}"), str::to_owned);
+    let outcome = capture::capture(p.transport.as_ref(), topology, Captured::Raw(wire), acker, &prov).await;
     p.record(&id, outcome);
+    outcome
 }
 
 struct Pending {

@@ -14,7 +14,7 @@ use crate::config::{self, ClusterMode, Config, TransportKind};
 use crate::envelope::{self, Envelope};
 use crate::lanes::{Pipeline, RunnerReport, SettleObserver, SlotRunner, SlotSettings};
 use crate::partition;
-use crate::retry::capture::{self, Captured, Outcome, Provenance, Reason};
+use crate::retry::capture::Outcome;
 use crate::router::Router;
 use crate::runtime::pool::WorkerPool;
 use crate::runtime::{self, CallObserver, HandlerSettings, Runtime, RuntimeOptions};
@@ -493,22 +493,7 @@ async fn forward_one(p: &Pipeline, topology: &str, slots: u32, d: Delivery) -> b
             }
         }
         Err((wire, err)) => {
-            let error = err.to_string();
-            let prov = Provenance {
-                reason: Reason::Undecodable,
-                error: &error,
-                source: &source,
-                handler: None,
-                tag,
-            };
-            let id = wire
-                .header(envelope::header::MESSAGE_ID)
-                .map_or_else(|| format!("{source}#{tag}"), str::to_owned);
-            let outcome = capture::capture(p.transport.as_ref(), topology, Captured::Raw(wire), acker, &prov).await;
-            p.stats.record(outcome);
-            if let Some(o) = &p.observer {
-                o.settled(&id, outcome);
-            }
+            let outcome = crate::lanes::capture_raw(p, topology, wire, &err, &source, tag, acker).await;
             !matches!(outcome, Outcome::Requeued)
         }
     }
