@@ -402,6 +402,30 @@ pub(crate) async fn capture_raw(
     outcome
 }
 
+/// Dead-letter a decoded message with its provenance (the one place lanes
+/// build a [`Provenance`] for an envelope).
+#[allow(clippy::too_many_arguments)]
+async fn capture_envelope(
+    p: &Pipeline,
+    s: &SlotSettings,
+    env: &Envelope,
+    acker: Box<dyn Acker>,
+    reason: Reason,
+    error: &str,
+    source: &str,
+    handler: Option<&HandlerVersion>,
+    tag: u64,
+) -> Outcome {
+    let prov = Provenance {
+        reason,
+        error,
+        source,
+        handler: handler.map(|h| (h.name(), h.digest.as_str())),
+        tag,
+    };
+    capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(env), acker, &prov).await
+}
+
 struct Pending {
     acker: Box<dyn Acker>,
     source: Arc<str>,
@@ -441,21 +465,8 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
                     env.tenant_id.as_deref().unwrap_or("none"),
                     s.topology
                 );
-                let prov = Provenance {
-                    reason: Reason::NoHandler,
-                    error: &error,
-                    source: &source,
-                    handler: None,
-                    tag,
-                };
-                let outcome = capture::capture(
-                    p.transport.as_ref(),
-                    &s.topology,
-                    Captured::Envelope(&env),
-                    acker,
-                    &prov,
-                )
-                .await;
+                let outcome =
+                    capture_envelope(&p, &s, &env, acker, Reason::NoHandler, &error, &source, None, tag).await;
                 p.record(&env.id, outcome);
             }
         }
@@ -543,20 +554,16 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
             result: Err(Failure::Reject(reason)),
             ..
         } => {
-            let digest = handler.digest.as_str();
-            let prov = Provenance {
-                reason: Reason::Rejected,
-                error: &reason,
-                source: &source,
-                handler: Some((handler.name(), digest)),
-                tag,
-            };
-            return capture::capture(
-                p.transport.as_ref(),
-                &s.topology,
-                Captured::Envelope(&env),
+            return capture_envelope(
+                p,
+                s,
+                &env,
                 acker,
-                &prov,
+                Reason::Rejected,
+                &reason,
+                &source,
+                Some(&handler),
+                tag,
             )
             .await;
         }
@@ -593,22 +600,7 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
             }
         }
         Step::Exhausted => {
-            let digest = handler.digest.as_str();
-            let prov = Provenance {
-                reason: final_reason,
-                error: &error,
-                source: &source,
-                handler: Some((handler.name(), digest)),
-                tag,
-            };
-            capture::capture(
-                p.transport.as_ref(),
-                &s.topology,
-                Captured::Envelope(&env),
-                acker,
-                &prov,
-            )
-            .await
+            capture_envelope(p, s, &env, acker, final_reason, &error, &source, Some(&handler), tag).await
         }
     }
 }
