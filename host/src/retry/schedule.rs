@@ -331,7 +331,8 @@ impl Schedule {
     /// `ctx.key` and says what would be accepted. Rules:
     /// - a zero-length rung: error;
     /// - `max_deliver > 0` and more rungs than `max_deliver`: error (the server refuses
-    ///   `len(BackOff) > MaxDeliver`; equal is fine);
+    ///   `len(BackOff) > MaxDeliver`; equal is fine on memory and RabbitMQ, but an error on
+    ///   JetStream, whose server 2.9 also refuses `len(BackOff) == MaxDeliver`, error 10116);
     /// - JetStream with a known `AckWait` that differs from the first rung: warning (the server
     ///   normalises `AckWait` to the first rung);
     /// - limited, and the last delivery comes no earlier than the stream's `max_age` after the
@@ -364,17 +365,33 @@ impl Schedule {
         }
 
         let rungs = policy.ladder.len();
-        if let Some(max) = policy.max_deliveries()
-            && rungs > max as usize
-        {
-            error(
-                format!("{key}.ladder"),
-                format!(
-                    "has {rungs} rungs but max_deliver = {max} serves at most {max} \
-                     (the broker refuses a BackOff longer than MaxDeliver); accepted: at most \
-                     {max} rungs, or max_deliver >= {rungs}, or max_deliver = 0 for unlimited"
-                ),
-            );
+        let jetstream = matches!(self.redelivery, Redelivery::JetStream { .. });
+        if let Some(max) = policy.max_deliveries() {
+            if rungs > max as usize {
+                error(
+                    format!("{key}.ladder"),
+                    format!(
+                        "has {rungs} rungs but max_deliver = {max} serves at most {max} \
+                         (the broker refuses a BackOff longer than MaxDeliver); accepted: at most \
+                         {max} rungs, or max_deliver >= {rungs}, or max_deliver = 0 for unlimited"
+                    ),
+                );
+            } else if jetstream && rungs == max as usize {
+                // Stricter than LESSONS.md ("equal is fine"): nats-server 2.9 refuses
+                // len(BackOff) == MaxDeliver with error 10116, pinned by
+                // tests/nats_compliance.rs.
+                error(
+                    format!("{key}.ladder"),
+                    format!(
+                        "has {rungs} rungs and max_deliver = {max}: NATS JetStream refuses a BackOff \
+                         as long as MaxDeliver (server error 10116, \"max deliver is required to be > \
+                         length of backoff values\"); accepted: at most {} rungs, or max_deliver >= {}, \
+                         or max_deliver = 0 for unlimited",
+                        max - 1,
+                        rungs + 1
+                    ),
+                );
+            }
         }
 
         if let Redelivery::JetStream {
@@ -739,6 +756,19 @@ mod tests {
     }
 
     #[test]
+    fn on_jetstream_a_ladder_as_long_as_max_deliver_is_an_error() {
+        // nats-server 2.9: error 10116 "max deliver is required to be > length of backoff values"
+        let r = jetstream(&[1, 2, 3], 3, None).check(&ctx());
+        assert_eq!(keys(&r.errors), ["topology[0].retry.ladder"]);
+        assert!(r.errors[0].message.contains("10116"), "{}", r.errors[0]);
+        assert!(r.errors[0].message.contains("max_deliver >= 4"), "{}", r.errors[0]);
+        assert!(jetstream(&[1, 2, 3], 4, None).check(&ctx()).is_ok());
+        assert!(jetstream(&[1, 2, 3], 0, None).check(&ctx()).is_ok());
+        // the same policy stays valid where the host serves the ladder
+        assert!(host(&[1, 2, 3], 3).check(&ctx()).is_ok());
+    }
+
+    #[test]
     fn zero_rung_is_an_error_naming_the_rung() {
         let r = host(&[1, 0, 30], 5).check(&ctx());
         assert_eq!(keys(&r.errors), ["topology[0].retry.ladder[1]"]);
@@ -828,7 +858,8 @@ mod tests {
 
     #[test]
     fn no_capture_reserve_left_is_a_warning() {
-        let r = jetstream(&[1], 1, None).check(&ctx());
+        // (no ladder: a one-rung ladder with max_deliver = 1 is refused by the server, error 10116)
+        let r = jetstream(&[], 1, None).check(&ctx());
         assert!(r.is_ok());
         assert_eq!(keys(&r.warnings), ["topology[0].retry.max_deliver"]);
         assert!(r.warnings[0].message.contains("max_deliver >= 2"));
