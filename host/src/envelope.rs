@@ -32,6 +32,10 @@ pub mod header {
     pub const HANDLER_VERSION: &str = "weir-handler-version";
     /// RFC 3339 time of the capture.
     pub const FAILED_AT: &str = "weir-failed-at";
+    /// JetStream dead letters: the stream sequence of the captured message.
+    pub const STREAM_SEQUENCE: &str = "weir-stream-sequence";
+    /// JetStream dead letters: the server's delivery count when it was captured.
+    pub const DELIVERY_COUNT: &str = "weir-delivery-count";
 
     /// Headers derived from the envelope's own fields; written from the
     /// fields, never copied from `headers`, so they cannot disagree.

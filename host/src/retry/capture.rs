@@ -125,9 +125,12 @@ pub async fn capture(
     p: &Provenance<'_>,
 ) -> Outcome {
     let system = transport.system();
-    let wire = dead_letter_wire(message, p);
+    let mut wire = dead_letter_wire(message, p);
+    for (name, value) in acker.provenance() {
+        wire.set_header(name, value);
+    }
     match transport.publish_dead_letter(topology, wire).await {
-        Ok(()) => match acker.settle(Disposition::Ack).await {
+        Ok(()) => match acker.settle(Disposition::AckCaptured).await {
             Ok(()) => {
                 tracing::info!(
                     messaging.system = system,
@@ -163,10 +166,11 @@ pub async fn capture(
             }
             tracing::warn!(
                 messaging.system = system, topology, source = p.source, tag = p.tag, error = %e,
-                "dead-letter capture failed; returning the message to its queue to try again"
+                deliveries_left = ?acker.deliveries_left(),
+                "dead-letter capture failed; the message will be delivered again to try again"
             );
-            if let Err(e) = acker.settle(Disposition::Release).await {
-                tracing::warn!(tag = p.tag, error = %e, "release after a failed capture failed; the broker redelivers it");
+            if let Err(e) = acker.settle(Disposition::Defer).await {
+                tracing::warn!(tag = p.tag, error = %e, "returning the message after a failed capture failed; the broker redelivers it");
             }
             Outcome::Requeued
         }

@@ -463,7 +463,7 @@ impl Acker for MemoryAcker {
             ));
         };
         match disposition {
-            Disposition::Ack => {
+            Disposition::Ack | Disposition::AckCaptured => {
                 self.queue.notify.notify_waiters();
                 if take(&self.broker.shared.faults.lose_ack_confirms) {
                     return Err(TransportError::new(
@@ -478,7 +478,7 @@ impl Acker for MemoryAcker {
             Disposition::Retry { envelope, delay } => {
                 self.broker.enqueue(&self.queue, envelope::encode(&envelope), delay);
             }
-            Disposition::Release => {
+            Disposition::Release | Disposition::Defer => {
                 let stored = Stored {
                     seq: self.seq,
                     wire: from_blob(&held.blob),

@@ -54,6 +54,11 @@ impl TransportError {
 pub enum Disposition {
     /// Done: handled (cascades confirmed) or captured (capture confirmed).
     Ack,
+    /// Done after a confirmed dead-letter capture: an ack whose receipt the
+    /// broker confirms where it can (JetStream double ack), so a lost ack is
+    /// reported as `uncertain`. Brokers without such a reply treat it as
+    /// [`Disposition::Ack`].
+    AckCaptured,
     /// Retryable failure: deliver `envelope` (attempt already incremented)
     /// again after `delay`. Brokers that own the ladder ignore the delay.
     Retry {
@@ -62,9 +67,15 @@ pub enum Disposition {
         /// Wait before the next delivery.
         delay: Duration,
     },
-    /// Not processed (drain, handoff, failed capture): back to the queue
-    /// unchanged, without counting as a delivery where the broker allows.
+    /// Not processed (drain, handoff): back to the queue unchanged, without
+    /// counting as a delivery where the broker allows.
     Release,
+    /// A dead-letter capture failed: deliver it again later so the capture
+    /// can be retried. Brokers that time redeliveries themselves (JetStream)
+    /// leave the delivery for their timer instead of redelivering at once,
+    /// so the capture reserve is not burnt in milliseconds; the others treat
+    /// it as [`Disposition::Release`].
+    Defer,
 }
 
 /// Who times redeliveries.
@@ -87,6 +98,13 @@ pub trait Acker: Send + Sync {
     /// (`None`: unbounded). `Some(0)` means a failed capture strands it.
     fn deliveries_left(&self) -> Option<u32> {
         None
+    }
+
+    /// Broker-specific provenance a dead letter of this delivery carries
+    /// beside the common headers (JetStream: stream sequence and delivery
+    /// count). Empty by default.
+    fn provenance(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
     }
 }
 
@@ -149,6 +167,17 @@ impl TopologySpec {
     }
 }
 
+/// What a broker knows that the retry schedule checks depend on
+/// ([`crate::retry::schedule::Schedule::check`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RetryFacts {
+    /// The stream's retention (`max_age`); `None`: unlimited or no stream yet.
+    pub stream_max_age: Option<Duration>,
+    /// The slot consumers' `AckWait` as the server reports it; `None`: no
+    /// consumer yet.
+    pub ack_wait: Option<Duration>,
+}
+
 /// A message broker.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
@@ -184,4 +213,17 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Publish to the dead-letter destination and wait for the confirm.
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError>;
+
+    /// The broker's facts for the schedule checks of `topology` (stream
+    /// retention, consumer `AckWait`), read without changing anything.
+    /// `None`: this broker has none to offer (memory, RabbitMQ).
+    async fn retry_facts(&self, _topology: &str) -> Result<Option<RetryFacts>, TransportError> {
+        Ok(None)
+    }
+
+    /// The ack floor of every slot consumer this transport watches
+    /// (JetStream); empty for brokers without one. Observe only.
+    fn ack_floor(&self) -> Vec<crate::floor::FloorState> {
+        Vec::new()
+    }
 }

@@ -696,8 +696,8 @@ impl RabbitAcker {
 impl Acker for RabbitAcker {
     async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
         match disposition {
-            Disposition::Ack => self.ack().await,
-            Disposition::Release => self.release().await,
+            Disposition::Ack | Disposition::AckCaptured => self.ack().await,
+            Disposition::Release | Disposition::Defer => self.release().await,
             Disposition::Retry { envelope, delay } => {
                 let Some(slot) = self.slot else {
                     let _ = self.release().await;
