@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use crate::envelope::{self, Envelope};
 use crate::partition;
 use crate::retry::capture::{self, Captured, Outcome, Provenance, Reason};
-use crate::retry::schedule::{Schedule, Step};
+use crate::retry::schedule::{Redelivery, Schedule, Step};
 use crate::router::Router;
 use crate::runtime::bindings::weir::handler::types::Failure;
 use crate::runtime::pool::WorkerPool;
@@ -426,6 +426,17 @@ async fn capture_envelope(
     capture::capture(p.transport.as_ref(), &s.topology, Captured::Envelope(env), acker, &prov).await
 }
 
+/// On a broker that counts deliveries itself (JetStream), a delivery past
+/// the handler's last only retries the dead-letter capture of a message whose
+/// capture failed (`Role::CaptureRetry`): returns the handler's last delivery
+/// when `attempt` is such a one.
+fn capture_retry(schedule: &Schedule, attempt: u32) -> Option<u32> {
+    if !matches!(schedule.redelivery(), Redelivery::JetStream { .. }) {
+        return None;
+    }
+    schedule.handler_deliveries().filter(|last| attempt > *last)
+}
+
 struct Pending {
     acker: Box<dyn Acker>,
     source: Arc<str>,
@@ -448,6 +459,16 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
             Ok(env) => env,
             Err(_) => continue, // undecodable deliveries never reach a lane
         };
+        if let Some(last) = capture_retry(&s.schedule, env.attempt) {
+            let error = format!(
+                "delivery {} comes after the handler's last ({last}): it is kept in reserve to retry a \
+                 dead-letter capture that failed, so the handler does not run again",
+                env.attempt
+            );
+            let outcome = capture_envelope(&p, &s, &env, acker, Reason::Exhausted, &error, &source, None, tag).await;
+            p.record(&env.id, outcome);
+            continue;
+        }
         match p.router.route(&s.topology, &env) {
             Some(handler) => {
                 items.push((handler.clone(), env));

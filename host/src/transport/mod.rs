@@ -4,6 +4,7 @@
 //! ([`Acker::settle`]). Everything above this module is broker-neutral.
 
 pub mod memory;
+pub mod nats;
 pub mod rabbitmq;
 
 use std::sync::Arc;

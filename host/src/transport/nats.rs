@@ -1,0 +1,1065 @@
+//! NATS JetStream (async-nats). Owns the streams and consumers of a topology,
+//! the one connection a node keeps (async-nats reconnects it by itself),
+//! publishes that wait for the server's `PubAck`, slot and ingress pull
+//! consumers, the in-progress ticker that keeps a slow call from being
+//! redelivered mid-call, the ack-floor pollers, and the one function that
+//! turns a [`Disposition`] into acks ([`NatsAcker::settle`]). Slots, lanes and
+//! the ladder arithmetic are left to the layers above.
+//!
+//! Server objects of topology `T` (names fixed by DESIGN.md):
+//! - stream `WEIR_T`, file storage, over `weir.T.slot.*` and `weir.T.ingress`
+//!   (see "Subjects" below);
+//! - a durable pull consumer `weir-T-n` per slot `n`, filter `weir.T.slot.n`,
+//!   explicit ack, `BackOff` = the retry ladder, `MaxDeliver` = `max_deliver`
+//!   (unlimited: `-1`, or [`UNLIMITED_WITH_BACKOFF`] beside a `BackOff`, which
+//!   server 2.9 requires), `AckWait` = the first rung (30 s without a
+//!   ladder), `MaxAckPending` = the node's prefetch. Created or updated by the
+//!   node that consumes the slot; a differing consumer is updated and the old
+//!   and new values are logged;
+//! - a durable pull consumer `weir-T-ingress` on `weir.T.ingress`, whose
+//!   messages the host forwards to their slot subject (`PubAck`, then ack);
+//! - stream `WEIR_T_DLQ` over `weir.T.dead-letter`.
+//!
+//! Subjects: DESIGN.md says `WEIR_T` covers `weir.T.>`. nats-server 2.9
+//! refuses two streams with overlapping subjects (error 10065, "subjects
+//! overlap with an existing stream"), and `weir.T.>` contains
+//! `weir.T.dead-letter`, so `WEIR_T_DLQ` could not exist beside it. `WEIR_T`
+//! therefore lists the two subjects publishers use, `weir.T.slot.*` and
+//! `weir.T.ingress`; every name of the contract is kept. An existing `WEIR_T`
+//! over `weir.T.>` is narrowed to these subjects (logged, messages kept).
+//!
+//! Retries are the server's ([`RetryOwner::Broker`]): a retryable failure
+//! leaves the delivery alone ([`NatsAcker::leave_for_backoff`]) and the server
+//! redelivers it when `AckWait`, shaped by `BackOff`, expires. The delivery
+//! count is the server's (the message's `attempt` is taken from it), and the
+//! host dead-letters on the last delivery minus the capture reserve, so a
+//! failed capture still has deliveries left to be retried on.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
+use async_nats::{HeaderMap, Subject};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::{FutureExt as _, StreamExt as _};
+use parking_lot::Mutex;
+
+use super::{
+    Acker, Delivery, Disposition, ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport,
+    TransportError,
+};
+use crate::envelope::{self, Wire, header};
+use crate::floor::{FloorMonitor, FloorState, StallClock};
+use crate::retry::schedule::{NATS_DEFAULT_ACK_WAIT, Redelivery};
+
+/// `messaging.system` of this transport.
+const SYSTEM: &str = "nats";
+
+/// `AckWait` of the ingress consumer (forwarding is quick; the ticker keeps
+/// a slow one alive).
+const INGRESS_ACK_WAIT: Duration = Duration::from_secs(30);
+/// Expiry of one pull request, and the idle heartbeat the server sends
+/// within it; a missed heartbeat ends the subscription (the supervisor
+/// subscribes again).
+const PULL_EXPIRES: Duration = Duration::from_secs(30);
+const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Messages asked for in one pull request, at most.
+const MAX_PULL_BATCH: u32 = 1024;
+/// `MaxDeliver` written for an unlimited `max_deliver` when the consumer has
+/// a `BackOff`: nats-server 2.9 refuses a `BackOff` with `MaxDeliver` -1
+/// (error 10116, "max deliver is required to be > length of backoff
+/// values"), so "unlimited" becomes this many deliveries, read back as
+/// unlimited. Without a ladder `MaxDeliver` is -1 as usual.
+pub const UNLIMITED_WITH_BACKOFF: i64 = i32::MAX as i64;
+/// Timeout of every JetStream API request (stream and consumer info,
+/// publish acks, double acks).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The server names of a topology (DESIGN.md, "Broker names").
+pub mod names {
+    /// The topology's work stream.
+    pub fn stream(topology: &str) -> String {
+        format!("WEIR_{topology}")
+    }
+    /// The subjects of the work stream: slots and ingress (module docs,
+    /// "Subjects").
+    pub fn stream_subjects(topology: &str) -> Vec<String> {
+        vec![format!("weir.{topology}.slot.*"), ingress(topology)]
+    }
+    /// The subject of slot `n`.
+    pub fn slot_subject(topology: &str, slot: u32) -> String {
+        format!("weir.{topology}.slot.{slot}")
+    }
+    /// The durable pull consumer of slot `n`.
+    pub fn slot_consumer(topology: &str, slot: u32) -> String {
+        format!("weir-{topology}-{slot}")
+    }
+    /// The ingress subject.
+    pub fn ingress(topology: &str) -> String {
+        format!("weir.{topology}.ingress")
+    }
+    /// The durable pull consumer of the ingress.
+    pub fn ingress_consumer(topology: &str) -> String {
+        format!("weir-{topology}-ingress")
+    }
+    /// The dead-letter subject.
+    pub fn dead_letter(topology: &str) -> String {
+        format!("weir.{topology}.dead-letter")
+    }
+    /// The dead-letter stream.
+    pub fn dead_letter_stream(topology: &str) -> String {
+        format!("WEIR_{topology}_DLQ")
+    }
+}
+
+/// Knobs of the NATS transport that are not in the config file.
+#[derive(Debug, Clone)]
+pub struct NatsOptions {
+    /// How often each slot consumer's ack floor is read.
+    pub floor_poll: Duration,
+    /// Stall age from which the floor monitor warns; `None`: derived from the
+    /// topology's schedule (the time its last delivery comes after the first,
+    /// plus `AckWait`, at least a minute), since a message on the ladder
+    /// holds the floor legitimately that long.
+    pub floor_warn_after: Option<Duration>,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            floor_poll: Duration::from_secs(5),
+            floor_warn_after: None,
+        }
+    }
+}
+
+/// A live connection. async-nats reconnects it by itself, so once made it is
+/// kept for the transport's life.
+#[derive(Clone)]
+struct Conn {
+    client: async_nats::Client,
+    js: jetstream::Context,
+}
+
+struct Inner {
+    url: String,
+    name: String,
+    options: NatsOptions,
+    conn: tokio::sync::Mutex<Option<Conn>>,
+    topologies: Mutex<HashMap<String, TopologySpec>>,
+    floor: Arc<FloorMonitor>,
+}
+
+/// The NATS JetStream transport. Cheap to clone; clones share the connection.
+#[derive(Clone)]
+pub struct Nats {
+    inner: Arc<Inner>,
+}
+
+/// `url` with the credentials hidden, for logs and errors.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+fn js_code(e: &async_nats::jetstream::Error) -> ErrorCode {
+    e.error_code()
+}
+
+/// The NATS headers of a [`Wire`].
+fn headers_of(wire: &Wire) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in &wire.headers {
+        h.append(k.as_str(), v.as_str());
+    }
+    h
+}
+
+/// The [`Wire`] form of a received message: every header value (in order),
+/// and the payload (moved, not copied, when nothing else holds it).
+fn wire_of(headers: Option<&HeaderMap>, payload: Bytes) -> Wire {
+    let mut out = Vec::new();
+    if let Some(h) = headers {
+        for (name, values) in h.iter() {
+            for v in values {
+                out.push((name.to_string(), v.as_str().to_owned()));
+            }
+        }
+    }
+    Wire {
+        headers: out,
+        body: Vec::from(payload),
+    }
+}
+
+/// The desired config of slot `slot`'s consumer.
+fn slot_consumer_config(spec: &TopologySpec, slot: u32, prefetch: u32) -> pull::Config {
+    let t = spec.name.as_str();
+    let ladder = &spec.retry.ladder;
+    pull::Config {
+        durable_name: Some(names::slot_consumer(t, slot)),
+        description: Some(format!("weir: slot {slot} of topology {t}")),
+        filter_subject: names::slot_subject(t, slot),
+        deliver_policy: DeliverPolicy::All,
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: ladder.first().copied().unwrap_or(NATS_DEFAULT_ACK_WAIT),
+        max_deliver: match spec.retry.max_deliver {
+            n if n > 0 => n,
+            _ if ladder.is_empty() => -1,
+            _ => UNLIMITED_WITH_BACKOFF,
+        },
+        backoff: ladder.clone(),
+        max_ack_pending: i64::from(prefetch.max(1)),
+        ..pull::Config::default()
+    }
+}
+
+/// The desired config of the ingress consumer.
+fn ingress_consumer_config(topology: &str, prefetch: u32) -> pull::Config {
+    pull::Config {
+        durable_name: Some(names::ingress_consumer(topology)),
+        description: Some(format!("weir: ingress of topology {topology}, forwarded to the slots")),
+        filter_subject: names::ingress(topology),
+        deliver_policy: DeliverPolicy::All,
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: INGRESS_ACK_WAIT,
+        max_deliver: -1,
+        max_ack_pending: i64::from(prefetch.max(1)),
+        ..pull::Config::default()
+    }
+}
+
+/// The settings Weir owns on a consumer, shown in logs when they change.
+#[derive(Debug, PartialEq, Eq)]
+struct Owned<'a> {
+    filter_subject: &'a str,
+    ack_wait: Duration,
+    max_deliver: i64,
+    backoff: &'a [Duration],
+    max_ack_pending: i64,
+}
+
+fn owned_of_pull(c: &pull::Config) -> Owned<'_> {
+    Owned {
+        filter_subject: &c.filter_subject,
+        ack_wait: c.ack_wait,
+        max_deliver: c.max_deliver,
+        backoff: &c.backoff,
+        max_ack_pending: c.max_ack_pending,
+    }
+}
+
+fn owned_of(c: &jetstream::consumer::Config) -> Owned<'_> {
+    Owned {
+        filter_subject: &c.filter_subject,
+        ack_wait: c.ack_wait,
+        max_deliver: c.max_deliver,
+        backoff: &c.backoff,
+        max_ack_pending: c.max_ack_pending,
+    }
+}
+
+/// Stall age from which a topology's floor monitor warns by default.
+fn default_warn_after(spec: &TopologySpec) -> Duration {
+    let schedule = spec.retry.schedule(Redelivery::JETSTREAM);
+    let ack_wait = spec.retry.ladder.first().copied().unwrap_or(NATS_DEFAULT_ACK_WAIT);
+    let held = schedule
+        .retention_needed()
+        .unwrap_or_else(|| spec.retry.ladder.iter().sum());
+    held.saturating_add(ack_wait).max(Duration::from_secs(60))
+}
+
+impl Nats {
+    /// A transport for the server at `url` (`nats://…`); `name` is the
+    /// connection name the server shows. Nothing connects until first use.
+    pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
+        Self::with_options(url, name, NatsOptions::default())
+    }
+
+    /// [`Nats::new`] with options.
+    pub fn with_options(url: impl Into<String>, name: impl Into<String>, options: NatsOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                url: url.into(),
+                name: name.into(),
+                options,
+                conn: tokio::sync::Mutex::new(None),
+                topologies: Mutex::new(HashMap::new()),
+                floor: Arc::new(FloorMonitor::default()),
+            }),
+        }
+    }
+
+    /// The floor monitor fed by this transport's pollers.
+    pub fn floor(&self) -> Arc<FloorMonitor> {
+        self.inner.floor.clone()
+    }
+
+    /// The connection, made on first use. One attempt: callers own the
+    /// backoff. Later outages are ridden out by async-nats's own reconnect.
+    async fn conn(&self) -> Result<Conn, TransportError> {
+        let mut guard = self.inner.conn.lock().await;
+        if let Some(c) = guard.as_ref() {
+            return Ok(c.clone());
+        }
+        let shown = redact(&self.inner.url);
+        let client = async_nats::ConnectOptions::new()
+            .name(&self.inner.name)
+            .connection_timeout(REQUEST_TIMEOUT)
+            .request_timeout(Some(REQUEST_TIMEOUT))
+            .max_reconnects(None)
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis(100u64.saturating_mul(1 << attempts.min(5)).min(2_000))
+            })
+            .event_callback(|event| async move {
+                tracing::info!(messaging.system = SYSTEM, %event, "connection event");
+            })
+            .connect(self.inner.url.as_str())
+            .await
+            .map_err(|e| TransportError::new(ErrorKind::Connection, format!("connecting to {shown}: {e}")))?;
+        let js = jetstream::new(client.clone());
+        tracing::info!(messaging.system = SYSTEM, url = %shown, "connected");
+        let conn = Conn { client, js };
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    fn spec(&self, topology: &str) -> Result<TopologySpec, TransportError> {
+        self.inner.topologies.lock().get(topology).cloned().ok_or_else(|| {
+            TransportError::new(
+                ErrorKind::Invalid,
+                format!("topology `{topology}` is not declared on this transport; declare it first"),
+            )
+        })
+    }
+
+    /// Create the stream `name` over `subjects`, or narrow/widen an existing
+    /// one to exactly those subjects (its other settings, such as `max_age`,
+    /// are the operator's and are kept).
+    async fn ensure_stream(&self, conn: &Conn, name: &str, subjects: Vec<String>) -> Result<(), TransportError> {
+        match conn.js.get_stream(name).await {
+            Ok(stream) => {
+                let info = stream.cached_info();
+                let mut have = info.config.subjects.clone();
+                let mut want = subjects.clone();
+                have.sort();
+                want.sort();
+                if have != want {
+                    let mut config = info.config.clone();
+                    config.subjects = subjects.clone();
+                    conn.js.update_stream(config).await.map_err(|e| {
+                        TransportError::new(
+                            ErrorKind::Refused,
+                            format!("updating the subjects of stream {name} from {have:?} to {want:?}: {e}"),
+                        )
+                    })?;
+                    tracing::warn!(messaging.system = SYSTEM, stream = name, old = ?have, new = ?want, "stream subjects updated");
+                }
+                Ok(())
+            }
+            Err(e) if is_stream_not_found(&e) => {
+                conn.js
+                    .create_stream(stream::Config {
+                        name: name.to_owned(),
+                        subjects: subjects.clone(),
+                        storage: stream::StorageType::File,
+                        ..stream::Config::default()
+                    })
+                    .await
+                    .map_err(|e| {
+                        TransportError::new(
+                            ErrorKind::Refused,
+                            format!("creating stream {name} over {subjects:?} (file storage): {e}"),
+                        )
+                    })?;
+                tracing::info!(messaging.system = SYSTEM, stream = name, ?subjects, "stream created");
+                Ok(())
+            }
+            Err(e) => Err(TransportError::new(
+                ErrorKind::Connection,
+                format!("reading stream {name}: {e}"),
+            )),
+        }
+    }
+
+    async fn declare_streams(&self, conn: &Conn, spec: &TopologySpec) -> Result<(), TransportError> {
+        let t = spec.name.as_str();
+        // The work stream first: an old one over `weir.T.>` overlaps the DLQ.
+        self.ensure_stream(conn, &names::stream(t), names::stream_subjects(t))
+            .await?;
+        self.ensure_stream(conn, &names::dead_letter_stream(t), vec![names::dead_letter(t)])
+            .await
+    }
+
+    /// The consumer `desired` on `stream`: created when missing, updated (with
+    /// the old and new values logged) when a setting Weir owns differs, else
+    /// bound as it is.
+    async fn ensure_consumer(
+        &self,
+        conn: &Conn,
+        stream: &str,
+        desired: pull::Config,
+    ) -> Result<PullConsumer, TransportError> {
+        let name = desired.durable_name.clone().unwrap_or_default();
+        match conn
+            .js
+            .get_consumer_from_stream::<pull::Config, _, _>(&name, stream)
+            .await
+        {
+            Ok(existing) => {
+                let have = owned_of(&existing.cached_info().config);
+                let want = owned_of_pull(&desired);
+                if have == want {
+                    return Ok(existing);
+                }
+                tracing::warn!(
+                    messaging.system = SYSTEM, stream, consumer = %name,
+                    old = ?have, new = ?want,
+                    "consumer settings differ from the config; updating"
+                );
+            }
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => {
+                return Err(TransportError::new(
+                    ErrorKind::Connection,
+                    format!("reading consumer {name} of stream {stream}: {e}"),
+                ));
+            }
+        }
+        let shown = format!("{:?}", owned_of_pull(&desired));
+        conn.js.create_consumer_on_stream(desired, stream).await.map_err(|e| {
+            let kind = match e.kind() {
+                jetstream::stream::ConsumerErrorKind::JetStream(_) => ErrorKind::Refused,
+                jetstream::stream::ConsumerErrorKind::TimedOut => ErrorKind::Timeout,
+                _ => ErrorKind::Connection,
+            };
+            TransportError::new(
+                kind,
+                format!("creating or updating consumer {name} of stream {stream} as {shown}: {e}"),
+            )
+        })
+    }
+
+    /// Bind `desired`, re-declaring the topology's streams once if the work
+    /// stream is gone (deleted, or a server that lost its store).
+    async fn bind(
+        &self,
+        conn: &Conn,
+        spec: &TopologySpec,
+        desired: pull::Config,
+    ) -> Result<PullConsumer, TransportError> {
+        let stream = names::stream(&spec.name);
+        match self.ensure_consumer(conn, &stream, desired.clone()).await {
+            Err(e) if e.kind == ErrorKind::Refused && e.detail.contains("stream not found") => {
+                tracing::warn!(messaging.system = SYSTEM, stream = %stream, "stream missing; declaring the topology again");
+                self.declare_streams(conn, spec).await?;
+                self.ensure_consumer(conn, &stream, desired).await
+            }
+            other => other,
+        }
+    }
+
+    async fn subscribe_consumer(
+        &self,
+        spec: &TopologySpec,
+        desired: pull::Config,
+        slot: Option<u32>,
+        prefetch: u32,
+    ) -> Result<Box<dyn Subscription>, TransportError> {
+        let conn = self.conn().await?;
+        let consumer = self.bind(&conn, spec, desired).await?;
+        let info = consumer.cached_info();
+        let consumer_name: Arc<str> = Arc::from(info.name.as_str());
+        let subject: Arc<str> = Arc::from(info.config.filter_subject.as_str());
+        let ack_wait = info.config.ack_wait;
+        let max_deliver = (info.config.max_deliver > 0 && info.config.max_deliver < UNLIMITED_WITH_BACKOFF)
+            .then(|| u32::try_from(info.config.max_deliver).unwrap_or(u32::MAX));
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(prefetch.clamp(1, MAX_PULL_BATCH) as usize)
+            .expires(PULL_EXPIRES)
+            .heartbeat(PULL_HEARTBEAT)
+            .messages()
+            .await
+            .map_err(|e| {
+                TransportError::new(
+                    ErrorKind::Connection,
+                    format!(
+                        "pulling from consumer {consumer_name} of stream {}: {e}",
+                        info.stream_name
+                    ),
+                )
+            })?;
+        let progress = Arc::new(Progress::default());
+        let period = (ack_wait / 4).max(Duration::from_millis(50));
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(progress_ticker(
+            conn.client.clone(),
+            progress.clone(),
+            period,
+        )));
+        let topology: Arc<str> = Arc::from(spec.name.as_str());
+        if let Some(slot) = slot {
+            let warn_after = self
+                .inner
+                .options
+                .floor_warn_after
+                .unwrap_or_else(|| default_warn_after(spec));
+            tasks.push(tokio::spawn(floor_poller(
+                consumer.clone(),
+                self.inner.floor.clone(),
+                topology.clone(),
+                slot,
+                self.inner.options.floor_poll,
+                warn_after,
+            )));
+        }
+        tracing::debug!(messaging.system = SYSTEM, topology = %topology, ?slot, consumer = %consumer_name, prefetch, ?ack_wait, "consumer bound");
+        Ok(Box::new(NatsSubscription {
+            messages,
+            shared: Arc::new(Shared {
+                topology,
+                slot,
+                subject,
+                stream: Arc::from(info.stream_name.as_str()),
+                consumer: consumer_name,
+                max_deliver,
+                progress,
+            }),
+            floor: self.inner.floor.clone(),
+            tasks,
+        }))
+    }
+
+    /// Publish and wait for the stream's `PubAck`.
+    async fn publish_to(&self, subject: String, wire: Wire, target: &str) -> Result<(), TransportError> {
+        let conn = self.conn().await?;
+        let headers = headers_of(&wire);
+        let pending = conn
+            .js
+            .publish_with_headers(subject, headers, Bytes::from(wire.body))
+            .await
+            .map_err(|e| publish_err(target, &e))?;
+        pending.await.map_err(|e| publish_err(target, &e))?;
+        Ok(())
+    }
+}
+
+fn publish_err(target: &str, e: &jetstream::context::PublishError) -> TransportError {
+    match e.kind() {
+        PublishErrorKind::StreamNotFound => TransportError::new(
+            ErrorKind::Refused,
+            format!("publishing to {target}: no stream captures it (is the topology declared?): {e}"),
+        ),
+        PublishErrorKind::TimedOut => TransportError::new(
+            ErrorKind::Timeout,
+            format!("publishing to {target}: no PubAck in time: {e}"),
+        ),
+        PublishErrorKind::BrokenPipe => {
+            TransportError::new(ErrorKind::Connection, format!("publishing to {target}: {e}"))
+        }
+        _ => TransportError::new(ErrorKind::Refused, format!("publishing to {target}: {e}")),
+    }
+}
+
+fn is_stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j) if js_code(&j) == ErrorCode::STREAM_NOT_FOUND)
+}
+
+fn is_not_found(e: &jetstream::stream::ConsumerError) -> bool {
+    matches!(e.kind(), jetstream::stream::ConsumerErrorKind::JetStream(j)
+        if js_code(&j) == ErrorCode::CONSUMER_NOT_FOUND || js_code(&j) == ErrorCode::STREAM_NOT_FOUND)
+}
+
+#[async_trait]
+impl Transport for Nats {
+    fn system(&self) -> &'static str {
+        SYSTEM
+    }
+
+    fn retry_owner(&self) -> RetryOwner {
+        RetryOwner::Broker
+    }
+
+    async fn declare(&self, spec: &TopologySpec) -> Result<(), TransportError> {
+        if let Some(existing) = self.inner.topologies.lock().get(&spec.name)
+            && existing.slots != spec.slots
+        {
+            return Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "topology `{}` is declared with {} slots, not {}",
+                    spec.name, existing.slots, spec.slots
+                ),
+            ));
+        }
+        let conn = self.conn().await?;
+        self.declare_streams(&conn, spec).await?;
+        self.inner.topologies.lock().insert(spec.name.clone(), spec.clone());
+        tracing::debug!(messaging.system = SYSTEM, topology = %spec.name, slots = spec.slots, "topology declared");
+        Ok(())
+    }
+
+    async fn subscribe(
+        &self,
+        topology: &str,
+        slot: u32,
+        prefetch: u32,
+    ) -> Result<Box<dyn Subscription>, TransportError> {
+        let spec = self.spec(topology)?;
+        if slot >= spec.slots {
+            return Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "slot {slot} does not exist in topology `{topology}` ({} slots)",
+                    spec.slots
+                ),
+            ));
+        }
+        let desired = slot_consumer_config(&spec, slot, prefetch);
+        self.subscribe_consumer(&spec, desired, Some(slot), prefetch).await
+    }
+
+    async fn subscribe_ingress(
+        &self,
+        topology: &str,
+        prefetch: u32,
+    ) -> Result<Option<Box<dyn Subscription>>, TransportError> {
+        let spec = self.spec(topology)?;
+        let desired = ingress_consumer_config(topology, prefetch);
+        self.subscribe_consumer(&spec, desired, None, prefetch).await.map(Some)
+    }
+
+    async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
+        if let Ok(spec) = self.spec(topology)
+            && slot >= spec.slots
+        {
+            return Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "slot {slot} does not exist in topology `{topology}` ({} slots)",
+                    spec.slots
+                ),
+            ));
+        }
+        let subject = names::slot_subject(topology, slot);
+        let target = format!("subject {subject} (stream {})", names::stream(topology));
+        self.publish_to(subject, wire, &target).await
+    }
+
+    async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
+        let subject = names::dead_letter(topology);
+        let target = format!(
+            "dead-letter subject {subject} (stream {})",
+            names::dead_letter_stream(topology)
+        );
+        self.publish_to(subject, wire, &target).await
+    }
+
+    async fn retry_facts(&self, topology: &str) -> Result<Option<RetryFacts>, TransportError> {
+        let conn = self.conn().await?;
+        let name = names::stream(topology);
+        let stream = match conn.js.get_stream(&name).await {
+            Ok(s) => s,
+            Err(e) if is_stream_not_found(&e) => return Ok(Some(RetryFacts::default())),
+            Err(e) => {
+                return Err(TransportError::new(
+                    ErrorKind::Connection,
+                    format!("reading stream {name}: {e}"),
+                ));
+            }
+        };
+        let max_age = Some(stream.cached_info().config.max_age).filter(|a| !a.is_zero());
+        let consumer = names::slot_consumer(topology, 0);
+        let ack_wait = match conn
+            .js
+            .get_consumer_from_stream::<pull::Config, _, _>(&consumer, &name)
+            .await
+        {
+            Ok(c) => Some(c.cached_info().config.ack_wait),
+            Err(e) if is_not_found(&e) => None,
+            Err(e) => {
+                return Err(TransportError::new(
+                    ErrorKind::Connection,
+                    format!("reading consumer {consumer} of stream {name}: {e}"),
+                ));
+            }
+        };
+        Ok(Some(RetryFacts {
+            stream_max_age: max_age,
+            ack_wait,
+        }))
+    }
+
+    fn ack_floor(&self) -> Vec<FloorState> {
+        self.inner.floor.snapshot()
+    }
+}
+
+/// Deliveries in flight on one subscription, kept alive with `+WPI` by the
+/// ticker until they are settled (or dropped unsettled).
+#[derive(Default)]
+struct Progress {
+    inflight: Mutex<HashMap<u64, (Subject, Instant), nohash_hasher::BuildNoHashHasher<u64>>>,
+    next: AtomicU64,
+}
+
+impl Progress {
+    fn track(&self, reply: Subject) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.inflight.lock().insert(id, (reply, Instant::now()));
+        id
+    }
+
+    fn untrack(&self, id: u64) {
+        self.inflight.lock().remove(&id);
+    }
+
+    /// The deliveries held for at least `period` since their last sign of
+    /// life; their clocks restart now.
+    fn due(&self, period: Duration) -> Vec<Subject> {
+        let now = Instant::now();
+        let mut due = Vec::new();
+        for (reply, since) in self.inflight.lock().values_mut() {
+            if now.saturating_duration_since(*since) >= period {
+                *since = now;
+                due.push(reply.clone());
+            }
+        }
+        due
+    }
+}
+
+/// Every `period` (a quarter of `AckWait`), tell the server that each
+/// delivery held longer than that is still being worked on (`+WPI`), so a
+/// slow call, or a message queued behind its group's lane, is not redelivered
+/// while this node still holds it. Settling a delivery stops it.
+async fn progress_ticker(client: async_nats::Client, progress: Arc<Progress>, period: Duration) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for reply in progress.due(period) {
+            let body: Bytes = AckKind::Progress.into();
+            if let Err(e) = client.publish(reply, body).await {
+                tracing::debug!(messaging.system = SYSTEM, error = %e, "in-progress signal not sent");
+            }
+        }
+    }
+}
+
+/// Poll a slot consumer's ack floor every `poll` and report its stall age to
+/// `monitor` and, from `warn_after` on, as a warning. Observe only.
+async fn floor_poller(
+    consumer: PullConsumer,
+    monitor: Arc<FloorMonitor>,
+    topology: Arc<str>,
+    slot: u32,
+    poll: Duration,
+    warn_after: Duration,
+) {
+    let mut clock = StallClock::new();
+    let mut warned = false;
+    let name = consumer.cached_info().name.clone();
+    loop {
+        tokio::time::sleep(poll).await;
+        let info = match consumer.get_info().await {
+            Ok(info) => info,
+            Err(e) => {
+                tracing::debug!(messaging.system = SYSTEM, topology = %topology, slot, consumer = %name, error = %e, "ack floor not read");
+                continue;
+            }
+        };
+        let delivered = info.delivered.stream_sequence;
+        let ack_floor = info.ack_floor.stream_sequence;
+        let stalled_for = clock.observe(delivered, ack_floor, Instant::now()).unwrap_or_default();
+        monitor.update(FloorState {
+            topology: topology.to_string(),
+            slot,
+            consumer: name.clone(),
+            delivered,
+            ack_floor,
+            stalled_for,
+        });
+        if stalled_for >= warn_after {
+            tracing::warn!(
+                messaging.system = SYSTEM, topology = %topology, slot, consumer = %name,
+                delivered, ack_floor, stalled_secs = stalled_for.as_secs(),
+                pending = info.num_ack_pending, redelivered = info.num_redelivered,
+                "ack floor stalled: the consumer delivered past stream sequence {ack_floor} but has not \
+                 settled it for {stalled_for:?}; a message there is still being retried or held (observe only)"
+            );
+            warned = true;
+        } else if warned {
+            tracing::info!(messaging.system = SYSTEM, topology = %topology, slot, consumer = %name, ack_floor, "ack floor moving again");
+            warned = false;
+        }
+    }
+}
+
+/// What a subscription's ackers share.
+struct Shared {
+    topology: Arc<str>,
+    /// `None` for the ingress.
+    slot: Option<u32>,
+    subject: Arc<str>,
+    stream: Arc<str>,
+    consumer: Arc<str>,
+    max_deliver: Option<u32>,
+    progress: Arc<Progress>,
+}
+
+struct NatsSubscription {
+    messages: pull::Stream,
+    shared: Arc<Shared>,
+    floor: Arc<FloorMonitor>,
+    /// The in-progress ticker and the floor poller: they end with the
+    /// subscription.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for NatsSubscription {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Some(slot) = self.shared.slot {
+            self.floor.forget(&self.shared.topology, slot);
+        }
+    }
+}
+
+impl NatsSubscription {
+    fn map(
+        &self,
+        item: Option<Result<jetstream::Message, pull::MessagesError>>,
+    ) -> Option<Result<Delivery, TransportError>> {
+        match item? {
+            Ok(m) => Some(Ok(self.delivery(m))),
+            Err(e) => {
+                let s = &self.shared;
+                tracing::warn!(messaging.system = SYSTEM, topology = %s.topology, slot = ?s.slot, consumer = %s.consumer, error = %e, "consumer ended");
+                Some(Err(TransportError::new(
+                    ErrorKind::Connection,
+                    format!("consumer {} of stream {}: {e}", s.consumer, s.stream),
+                )))
+            }
+        }
+    }
+
+    fn delivery(&self, m: jetstream::Message) -> Delivery {
+        let s = &self.shared;
+        let (sequence, delivered) = match m.info() {
+            Ok(i) => (i.stream_sequence, u32::try_from(i.delivered).unwrap_or(1).max(1)),
+            Err(_) => (0, 1),
+        };
+        let reply = m.reply.clone();
+        let (message, acker) = m.split();
+        let wire = wire_of(message.headers.as_ref(), message.payload);
+        let fallback = wire.header("Nats-Msg-Id").map(str::to_owned);
+        let stream = s.stream.clone();
+        // Slot deliveries count attempts by the server's delivery count (the
+        // stored message is never republished); ingress keeps the header.
+        let attempt = s.slot.map(|_| delivered);
+        let decoded = envelope::decode(
+            wire,
+            || fallback.unwrap_or_else(|| format!("{stream}-{sequence}")),
+            attempt,
+        );
+        let track = reply.map(|r| s.progress.track(r));
+        Delivery {
+            message: decoded,
+            source: s.subject.clone(),
+            tag: sequence,
+            acker: Box::new(NatsAcker {
+                acker,
+                shared: s.clone(),
+                track,
+                sequence,
+                delivered,
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for NatsSubscription {
+    async fn next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        let item = self.messages.next().await;
+        self.map(item)
+    }
+
+    fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        let item = self.messages.next().now_or_never()?;
+        self.map(item)
+    }
+}
+
+/// Settles one JetStream delivery.
+struct NatsAcker {
+    acker: jetstream::message::Acker,
+    shared: Arc<Shared>,
+    /// Its entry in the in-progress ticker.
+    track: Option<u64>,
+    sequence: u64,
+    delivered: u32,
+}
+
+impl Drop for NatsAcker {
+    fn drop(&mut self) {
+        // Settled or not: the ticker stops vouching for it.
+        if let Some(id) = self.track.take() {
+            self.shared.progress.untrack(id);
+        }
+    }
+}
+
+impl NatsAcker {
+    /// The retry path on JetStream: do nothing to the delivery. The server
+    /// redelivers it when `AckWait` expires, shaped by the consumer's
+    /// `BackOff` (rung `k` before delivery `k + 1`), and counts it against
+    /// `MaxDeliver`. A plain `Nak` would redeliver at once and burn the whole
+    /// ladder in milliseconds (LESSONS.md); this absent call is the
+    /// behaviour, pinned by `nats_compliance::retry_gaps_follow_the_backoff`.
+    /// The in-progress ticker stops vouching for the delivery here.
+    fn leave_for_backoff(mut self: Box<Self>) {
+        if let Some(id) = self.track.take() {
+            self.shared.progress.untrack(id);
+        }
+    }
+
+    fn err(&self, what: &str, e: &async_nats::Error) -> TransportError {
+        TransportError::new(
+            ErrorKind::Connection,
+            format!(
+                "{what} of stream sequence {} on consumer {}: {e}; the server redelivers it",
+                self.sequence, self.shared.consumer
+            ),
+        )
+    }
+}
+
+#[async_trait]
+impl Acker for NatsAcker {
+    async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
+        match disposition {
+            Disposition::Ack => self.acker.ack().await.map_err(|e| self.err("ack", &e)),
+            Disposition::AckCaptured => self.acker.double_ack().await.map_err(|e| {
+                TransportError::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "ack of stream sequence {seq} on consumer {c} (stream {s}) was not confirmed: {e}. \
+                         It may have landed: check whether the consumer's ack floor passed stream sequence {seq} \
+                         (`nats consumer info {s} {c}`); if not, it is delivered and captured again",
+                        seq = self.sequence,
+                        c = self.shared.consumer,
+                        s = self.shared.stream,
+                    ),
+                )
+            }),
+            Disposition::Retry { .. } | Disposition::Defer => {
+                self.leave_for_backoff();
+                Ok(())
+            }
+            Disposition::Release => self
+                .acker
+                .ack_with(AckKind::Nak(None))
+                .await
+                .map_err(|e| self.err("nak", &e)),
+        }
+    }
+
+    fn deliveries_left(&self) -> Option<u32> {
+        self.shared.max_deliver.map(|max| max.saturating_sub(self.delivered))
+    }
+
+    fn provenance(&self) -> Vec<(&'static str, String)> {
+        vec![
+            (header::STREAM_SEQUENCE, self.sequence.to_string()),
+            (header::DELIVERY_COUNT, self.delivered.to_string()),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::schedule::RetryPolicy;
+
+    #[test]
+    fn names_follow_the_contract() {
+        assert_eq!(names::stream("orders"), "WEIR_orders");
+        assert_eq!(names::slot_subject("orders", 3), "weir.orders.slot.3");
+        assert_eq!(names::slot_consumer("orders", 3), "weir-orders-3");
+        assert_eq!(names::ingress("orders"), "weir.orders.ingress");
+        assert_eq!(names::dead_letter("orders"), "weir.orders.dead-letter");
+        assert_eq!(names::dead_letter_stream("orders"), "WEIR_orders_DLQ");
+        // the work stream does not cover the dead-letter subject (module docs)
+        assert!(!names::stream_subjects("orders").iter().any(|s| s.ends_with('>')));
+    }
+
+    #[test]
+    fn slot_consumer_writes_the_ladder_as_backoff() {
+        let mut spec = TopologySpec::new("t", 2);
+        spec.retry = RetryPolicy::new(vec![Duration::from_secs(1), Duration::from_secs(2)], 4);
+        let c = slot_consumer_config(&spec, 1, 64);
+        assert_eq!(c.durable_name.as_deref(), Some("weir-t-1"));
+        assert_eq!(c.filter_subject, "weir.t.slot.1");
+        assert_eq!(c.backoff, spec.retry.ladder);
+        assert_eq!(c.ack_wait, Duration::from_secs(1));
+        assert_eq!(c.max_deliver, 4);
+        assert_eq!(c.max_ack_pending, 64);
+        assert_eq!(c.ack_policy, AckPolicy::Explicit);
+        // unlimited with a ladder: the server refuses MaxDeliver -1 beside a BackOff
+        spec.retry = RetryPolicy::new(vec![Duration::from_secs(1)], 0);
+        assert_eq!(slot_consumer_config(&spec, 0, 1).max_deliver, UNLIMITED_WITH_BACKOFF);
+        spec.retry = RetryPolicy::new(vec![], 0);
+        let c = slot_consumer_config(&spec, 0, 0);
+        assert_eq!(c.ack_wait, NATS_DEFAULT_ACK_WAIT);
+        assert_eq!(c.max_deliver, -1);
+        assert_eq!(c.max_ack_pending, 1);
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let wire = Wire {
+            headers: vec![
+                (header::MESSAGE_ID.into(), "m-1".into()),
+                (header::MESSAGE_TYPE.into(), "ok".into()),
+            ],
+            body: b"x".to_vec(),
+        };
+        let h = headers_of(&wire);
+        let back = wire_of(Some(&h), Bytes::from_static(b"x"));
+        assert_eq!(back.header(header::MESSAGE_ID), Some("m-1"));
+        assert_eq!(back.header(header::MESSAGE_TYPE), Some("ok"));
+        assert_eq!(back.body, b"x");
+    }
+
+    #[test]
+    fn floor_warning_waits_for_the_ladder() {
+        let mut spec = TopologySpec::new("t", 1);
+        spec.retry = RetryPolicy::new(vec![Duration::from_secs(10), Duration::from_secs(100)], 4);
+        // last delivery at 10 + 100 + 100 = 210s, plus AckWait 10s
+        assert_eq!(default_warn_after(&spec), Duration::from_secs(220));
+        spec.retry = RetryPolicy::new(vec![Duration::from_secs(1)], 2);
+        assert_eq!(default_warn_after(&spec), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn progress_reports_only_deliveries_held_long_enough() {
+        let p = Progress::default();
+        let a = p.track(Subject::from("a"));
+        assert!(p.due(Duration::from_secs(60)).is_empty());
+        assert_eq!(p.due(Duration::ZERO).len(), 1);
+        p.untrack(a);
+        assert!(p.due(Duration::ZERO).is_empty());
+    }
+}
