@@ -192,6 +192,41 @@ async fn wait_for_signal() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the configured broker reports for each topology's schedule check
+/// (JetStream: stream `max_age`, consumer `AckWait`); nothing for brokers
+/// without such facts. A broker that cannot be reached is reported and the
+/// check goes on without its facts.
+fn broker_facts(cfg: &config::Config) -> anyhow::Result<Vec<Option<weir::transport::RetryFacts>>> {
+    if cfg.transport.kind != config::TransportKind::Nats {
+        return Ok(Vec::new());
+    }
+    let transport = node::transport_for(cfg)?;
+    runtime()?.block_on(async {
+        let mut out = Vec::new();
+        for t in &cfg.topology {
+            let read = tokio::time::timeout(std::time::Duration::from_secs(10), transport.retry_facts(&t.name)).await;
+            match read {
+                Ok(Ok(f)) => out.push(f),
+                Ok(Err(e)) => {
+                    println!(
+                        "warning: topology `{}`: the broker's facts could not be read ({e}); checked without them",
+                        t.name
+                    );
+                    out.push(None);
+                }
+                Err(_) => {
+                    println!(
+                        "warning: topology `{}`: the broker did not answer in 10s; checked without its facts",
+                        t.name
+                    );
+                    out.push(None);
+                }
+            }
+        }
+        Ok(out)
+    })
+}
+
 fn schedule_check(path: &std::path::Path) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let origin = path.display().to_string();
@@ -207,9 +242,11 @@ fn schedule_check(path: &std::path::Path) -> anyhow::Result<ExitCode> {
         }
         Err(e) => return Err(e.into()),
     };
+    let facts = broker_facts(&cfg)?;
     let mut violations = 0;
     for (i, t) in cfg.topology.iter().enumerate() {
-        let schedule = t.schedule(cfg.transport.kind, None);
+        let fact = facts.get(i).cloned().flatten();
+        let schedule = t.schedule(cfg.transport.kind, fact.as_ref().and_then(|f| f.ack_wait));
         let policy = schedule.policy();
         println!(
             "topology `{}` on {} (max_deliver {}):",
@@ -239,7 +276,24 @@ fn schedule_check(path: &std::path::Path) -> anyhow::Result<ExitCode> {
             Some(d) => println!("  time to dead-letter: {}", humantime::format_duration(d)),
             None => println!("  time to dead-letter: never (unlimited deliveries)"),
         }
-        let report = schedule.check(&weir::retry::schedule::CheckContext::new(config::Config::retry_key(i)));
+        if let Some(f) = &fact {
+            println!(
+                "  broker: stream max_age {}, consumer AckWait {}",
+                f.stream_max_age.map_or_else(
+                    || "unlimited".to_string(),
+                    |d| humantime::format_duration(d).to_string()
+                ),
+                f.ack_wait.map_or_else(
+                    || "(no consumer yet)".to_string(),
+                    |d| humantime::format_duration(d).to_string()
+                ),
+            );
+        }
+        let ctx = weir::retry::schedule::CheckContext {
+            key: config::Config::retry_key(i),
+            stream_max_age: fact.as_ref().and_then(|f| f.stream_max_age),
+        };
+        let report = schedule.check(&ctx);
         for v in &report.errors {
             println!("  error   {v}");
         }

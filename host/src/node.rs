@@ -20,6 +20,7 @@ use crate::runtime::pool::WorkerPool;
 use crate::runtime::{self, CallObserver, HandlerSettings, Runtime, RuntimeOptions};
 use crate::stats::Stats;
 use crate::transport::memory::MemoryBroker;
+use crate::transport::nats::Nats;
 use crate::transport::rabbitmq::RabbitMq;
 use crate::transport::{Delivery, Disposition, Subscription, TopologySpec, Transport, TransportError};
 
@@ -151,12 +152,57 @@ pub fn transport_for(config: &Config) -> anyhow::Result<Arc<dyn Transport>> {
             })?;
             Ok(Arc::new(RabbitMq::new(url, format!("weir {}", config.node.name))))
         }
-        other => bail!(
-            "{}: transport.kind = \"{}\" is not available in this build yet; accepted: \"memory\", \"rabbitmq\"",
-            config.origin,
-            other.as_str()
-        ),
+        TransportKind::Nats => {
+            let url = config
+                .transport
+                .url
+                .as_deref()
+                .filter(|u| !u.is_empty())
+                .with_context(|| {
+                    format!(
+                        "{}: transport.url is required for transport.kind = \"nats\", e.g. \"nats://127.0.0.1:4222\"",
+                        config.origin
+                    )
+                })?;
+            Ok(Arc::new(Nats::new(url, format!("weir {}", config.node.name))))
+        }
     }
+}
+
+/// Check topology `index`'s retry schedule against what the broker reports
+/// (stream retention, consumer `AckWait`): errors refuse the start, warnings
+/// are logged. Brokers without such facts are not asked twice: the config's
+/// own validation already checked the schedule without them.
+async fn check_schedule_with_broker(config: &Config, index: usize, transport: &dyn Transport) -> anyhow::Result<()> {
+    let t = &config.topology[index];
+    let Some(facts) = transport.retry_facts(&t.name).await.with_context(|| {
+        format!(
+            "reading the retry facts of topology[{index}] `{}` on {}",
+            t.name,
+            transport.system()
+        )
+    })?
+    else {
+        return Ok(());
+    };
+    let ctx = crate::retry::schedule::CheckContext {
+        key: Config::retry_key(index),
+        stream_max_age: facts.stream_max_age,
+    };
+    let report = t.schedule(config.transport.kind, facts.ack_wait).check(&ctx);
+    for w in &report.warnings {
+        tracing::warn!(key = %w.key, topology = %t.name, "{}", w.message);
+    }
+    if !report.is_ok() {
+        let errors: Vec<String> = report.errors.iter().map(ToString::to_string).collect();
+        bail!(
+            "{}: the retry schedule of topology[{index}] `{}` does not fit the broker: {}",
+            config.origin,
+            t.name,
+            errors.join("; ")
+        );
+    }
+    Ok(())
 }
 
 impl Node {
@@ -224,6 +270,7 @@ impl Node {
         let mut topologies = HashMap::new();
         let mut owned = Vec::new();
         for (ti, t) in config.topology.iter().enumerate() {
+            check_schedule_with_broker(config, ti, transport.as_ref()).await?;
             transport
                 .declare(&TopologySpec {
                     name: t.name.clone(),
@@ -293,6 +340,12 @@ impl Node {
     /// Outcome counters.
     pub fn stats(&self) -> Arc<Stats> {
         self.pipeline.stats.clone()
+    }
+
+    /// The ack floor of every slot consumer this node watches (JetStream;
+    /// empty on other brokers). Observe only.
+    pub fn ack_floor(&self) -> Vec<crate::floor::FloorState> {
+        self.pipeline.transport.ack_floor()
     }
 
     /// The (topology, slot) pairs this node consumes.

@@ -105,11 +105,11 @@ fn a_file_that_is_not_a_component_is_refused_at_start() {
 #[test]
 fn unsupported_modes_are_refused_with_the_key() {
     let f = write_config(&format!(
-        "[transport]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n{GOOD}"
+        "[cluster]\nmode = \"postgres\"\ndatabase_url = \"postgres://postgres@127.0.0.1/weir\"\n{GOOD}"
     ));
     let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
     assert_eq!(code, 1);
-    assert!(err.contains("transport.kind"), "{err}");
+    assert!(err.contains("cluster.mode"), "{err}");
 }
 
 #[test]
