@@ -1,0 +1,1056 @@
+//! The NATS JetStream transport against the real server (nats://127.0.0.1:4222
+//! with JetStream, override with WEIR_TEST_NATS_URL): the same assertions as
+//! the RabbitMQ suite (slot routing, ingress forwarding, lanes, dead-letter
+//! provenance), plus what only JetStream has: the server-timed ladder (and
+//! its negative control, a plain Nak that burns it), the capture reserve,
+//! the schedule facts the server enforces, the ack-floor monitor, and a
+//! server restart. Every test uses its own topology `t-<uuid8>` and deletes
+//! its streams when it ends, also when it fails, so the tests run in parallel
+//! and repeatedly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
+use async_trait::async_trait;
+use futures::StreamExt as _;
+use parking_lot::Mutex;
+use weir::config::{self, ClusterMode, Config, RetrySection, TransportKind};
+use weir::envelope::{self, Envelope, Wire, header};
+use weir::ledger::Ledger;
+use weir::node::{Node, NodeOptions, bundled};
+use weir::partition;
+use weir::retry::capture::Outcome;
+use weir::runtime::{CallObserver, RuntimeOptions};
+use weir::transport::nats::{Nats, NatsOptions, names};
+use weir::transport::{Delivery, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+
+fn url() -> String {
+    std::env::var("WEIR_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+async fn js_at(url: &str) -> jetstream::Context {
+    jetstream::new(async_nats::connect(url).await.unwrap())
+}
+
+/// A topology name of this test; its streams are deleted on drop.
+struct Topo {
+    name: String,
+    url: String,
+}
+
+impl Topo {
+    fn new() -> Self {
+        Self::at(url())
+    }
+
+    fn at(url: String) -> Self {
+        Self {
+            name: format!("t-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
+            url,
+        }
+    }
+}
+
+impl Drop for Topo {
+    fn drop(&mut self) {
+        let streams = [names::stream(&self.name), names::dead_letter_stream(&self.name)];
+        let url = self.url.clone();
+        // Drop cannot await, and may run inside the test's runtime: clean up
+        // on a thread of its own.
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let Ok(Ok(client)) = tokio::time::timeout(secs(5), async_nats::connect(url.as_str())).await else {
+                    return;
+                };
+                let js = jetstream::new(client);
+                for s in streams {
+                    let _ = js.delete_stream(&s).await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// One delivery as the recording transport saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    id: String,
+    group: Option<String>,
+    source: String,
+}
+
+/// Wraps the real transport and notes every slot delivery's id, group and subject.
+struct Recording {
+    inner: Nats,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    subscriptions: Arc<AtomicU32>,
+}
+
+struct RecordingSub {
+    inner: Box<dyn Subscription>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl RecordingSub {
+    fn note(&self, d: &Option<Result<Delivery, TransportError>>) {
+        if let Some(Ok(d)) = d
+            && let Ok(env) = &d.message
+        {
+            self.seen.lock().push(Seen {
+                id: env.id.clone(),
+                group: env.group_id.clone(),
+                source: d.source.to_string(),
+            });
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for RecordingSub {
+    async fn next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        let d = self.inner.next().await;
+        self.note(&d);
+        d
+    }
+    fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        let d = self.inner.try_next();
+        self.note(&d);
+        d
+    }
+}
+
+#[async_trait]
+impl Transport for Recording {
+    fn system(&self) -> &'static str {
+        self.inner.system()
+    }
+    fn retry_owner(&self) -> RetryOwner {
+        self.inner.retry_owner()
+    }
+    async fn declare(&self, t: &TopologySpec) -> Result<(), TransportError> {
+        self.inner.declare(t).await
+    }
+    async fn subscribe(&self, t: &str, slot: u32, prefetch: u32) -> Result<Box<dyn Subscription>, TransportError> {
+        let inner = self.inner.subscribe(t, slot, prefetch).await?;
+        self.subscriptions.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(RecordingSub {
+            inner,
+            seen: self.seen.clone(),
+        }))
+    }
+    async fn subscribe_ingress(&self, t: &str, prefetch: u32) -> Result<Option<Box<dyn Subscription>>, TransportError> {
+        self.inner.subscribe_ingress(t, prefetch).await
+    }
+    async fn publish(&self, t: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
+        self.inner.publish(t, slot, wire).await
+    }
+    async fn publish_dead_letter(&self, t: &str, wire: Wire) -> Result<(), TransportError> {
+        self.inner.publish_dead_letter(t, wire).await
+    }
+    async fn retry_facts(&self, t: &str) -> Result<Option<weir::transport::RetryFacts>, TransportError> {
+        self.inner.retry_facts(t).await
+    }
+    fn ack_floor(&self) -> Vec<weir::floor::FloorState> {
+        self.inner.ack_floor()
+    }
+}
+
+/// Ledger plus a timestamped call log.
+#[derive(Default)]
+struct Observer {
+    ledger: Ledger,
+    calls: common::CallLog,
+}
+
+impl CallObserver for Observer {
+    fn before(&self, msg: &Envelope) {
+        self.ledger.before(msg);
+        self.calls.before(msg);
+    }
+    fn after(&self, msg: &Envelope) {
+        self.calls.after(msg);
+        self.ledger.after(msg);
+    }
+}
+
+/// Settlements go to the observer's ledger, and every outcome is kept in order.
+struct LedgerSettle(Arc<Observer>, Mutex<Vec<(String, Outcome)>>);
+
+impl weir::lanes::SettleObserver for LedgerSettle {
+    fn settled(&self, id: &str, outcome: Outcome) {
+        self.0.ledger.settled(id, outcome);
+        self.1.lock().push((id.to_owned(), outcome));
+    }
+}
+
+/// How a test's node is set up.
+#[derive(Clone)]
+struct Setup {
+    slots: u32,
+    ladder: Vec<Duration>,
+    max_deliver: i64,
+    options: NatsOptions,
+    mode: ClusterMode,
+    owned: Option<Vec<u32>>,
+    prefetch: u32,
+}
+
+impl Setup {
+    fn new(slots: u32, ladder: &[Duration], max_deliver: i64) -> Self {
+        Self {
+            slots,
+            ladder: ladder.to_vec(),
+            max_deliver,
+            options: NatsOptions::default(),
+            mode: ClusterMode::Solo,
+            owned: None,
+            prefetch: 64,
+        }
+    }
+}
+
+fn config(topo: &Topo, setup: &Setup, node_name: &str) -> Config {
+    let mut t = config::Topology::new(&topo.name, setup.slots);
+    t.max_concurrent_groups = 16;
+    t.max_unordered = 16;
+    t.retry = Some(RetrySection {
+        ladder: Some(setup.ladder.clone()),
+        max_deliver: Some(setup.max_deliver),
+        ..Default::default()
+    });
+    let types = ["slow", "ok", "reject", "retry", "publish"].map(String::from).to_vec();
+    let h = config::Handler::new("faulty", bundled::FAULTY_PATH, &topo.name, types);
+    Config {
+        node: config::Node {
+            name: node_name.into(),
+            admin: None,
+        },
+        transport: config::Transport {
+            kind: TransportKind::Nats,
+            url: Some(topo.url.clone()),
+            prefetch: setup.prefetch,
+        },
+        cluster: config::Cluster {
+            mode: setup.mode,
+            owned_slots: setup.owned.clone(),
+            ..config::Cluster::default()
+        },
+        topology: vec![t],
+        handler: vec![h],
+        origin: "<nats test>".into(),
+    }
+}
+
+/// Fields drop in order: the nodes (their tasks aborted) before the
+/// topology's streams are deleted.
+struct Harness {
+    nodes: Vec<Node>,
+    topo: Topo,
+    obs: Arc<Observer>,
+    settles: Arc<LedgerSettle>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    subscriptions: Arc<AtomicU32>,
+    /// Deliveries per node (by index), from each node's recording transport.
+    per_node: Vec<Arc<Mutex<Vec<Seen>>>>,
+}
+
+impl Harness {
+    async fn start(setup: Setup) -> Self {
+        Self::start_on(Topo::new(), vec![setup]).await
+    }
+
+    async fn try_start(topo: &Topo, setup: &Setup) -> anyhow::Result<Node> {
+        let cfg = config(topo, setup, &format!("node-{}", topo.name));
+        let transport = Arc::new(Nats::with_options(&topo.url, "weir test", setup.options.clone()));
+        let opts = NodeOptions {
+            workers: 2,
+            runtime: common::cached(RuntimeOptions::default()),
+            ..NodeOptions::default()
+        };
+        Node::start(&cfg, transport, opts).await
+    }
+
+    /// One node per setup, sharing one ledger (a cluster in one process).
+    async fn start_on(topo: Topo, setups: Vec<Setup>) -> Self {
+        let obs = Arc::new(Observer::default());
+        let settles = Arc::new(LedgerSettle(obs.clone(), Mutex::new(Vec::new())));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let subscriptions = Arc::new(AtomicU32::new(0));
+        let mut nodes = Vec::new();
+        let mut per_node = Vec::new();
+        for (i, setup) in setups.iter().enumerate() {
+            let node_name = format!("node-{i}-{}", topo.name);
+            let cfg = config(&topo, setup, &node_name);
+            let mine = Arc::new(Mutex::new(Vec::new()));
+            let transport = Arc::new(Recording {
+                inner: Nats::with_options(&topo.url, format!("weir {node_name}"), setup.options.clone()),
+                seen: mine.clone(),
+                subscriptions: subscriptions.clone(),
+            });
+            let opts = NodeOptions {
+                workers: 2,
+                runtime: common::cached(RuntimeOptions::default()),
+                call_observer: Some(obs.clone()),
+                settle_observer: Some(settles.clone()),
+                ..NodeOptions::default()
+            };
+            nodes.push(Node::start(&cfg, transport, opts).await.expect("node starts on NATS"));
+            per_node.push(mine);
+        }
+        Self {
+            nodes,
+            topo,
+            obs,
+            settles,
+            seen,
+            subscriptions,
+            per_node,
+        }
+    }
+
+    fn node(&self) -> &Node {
+        &self.nodes[0]
+    }
+
+    fn all_seen(&self) -> Vec<Seen> {
+        let mut all = self.seen.lock().clone();
+        for n in &self.per_node {
+            all.extend(n.lock().iter().cloned());
+        }
+        all
+    }
+
+    async fn publish(&self, env: &Envelope) {
+        self.node()
+            .publish(&self.topo.name, env)
+            .await
+            .expect("publish with PubAck");
+    }
+
+    async fn wait_outcomes(&self, ids: &HashSet<String>, timeout: Duration) -> HashMap<String, Outcome> {
+        let start = Instant::now();
+        loop {
+            let outcomes = self.obs.ledger.outcomes();
+            if ids.iter().all(|id| outcomes.contains_key(id)) {
+                return outcomes;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "timed out: {} of {} messages settled",
+                ids.iter().filter(|id| outcomes.contains_key(*id)).count(),
+                ids.len()
+            );
+            tokio::time::sleep(ms(20)).await;
+        }
+    }
+
+    /// Wait until `id` has been settled with `outcome`.
+    async fn wait_for(&self, id: &str, outcome: Outcome, timeout: Duration) {
+        let start = Instant::now();
+        while !self.settles.1.lock().iter().any(|(i, o)| i == id && *o == outcome) {
+            assert!(
+                start.elapsed() < timeout,
+                "timed out waiting for {outcome:?} of {id}; settled so far: {:?}",
+                self.settles.1.lock()
+            );
+            tokio::time::sleep(ms(20)).await;
+        }
+    }
+
+    async fn shutdown(&mut self) {
+        for node in self.nodes.drain(..) {
+            node.shutdown().await.expect("node drains");
+        }
+    }
+}
+
+fn msg(t: &str, group: Option<&str>, payload: &str) -> Envelope {
+    common::message(t, group, payload.as_bytes())
+}
+
+fn header_text(h: &HeaderMap, name: &str) -> Option<String> {
+    h.get(name).map(|v| v.as_str().to_owned())
+}
+
+/// Read the first `n` dead letters of a topology (a plain client, as an
+/// operator's tool would).
+async fn read_dead_letters(topology: &str, n: usize, timeout: Duration) -> Vec<jetstream::message::StreamMessage> {
+    let js = js_at(&url()).await;
+    let deadline = Instant::now() + timeout;
+    let stream = js.get_stream(names::dead_letter_stream(topology)).await.unwrap();
+    let mut out = Vec::new();
+    let mut seq = 1;
+    while out.len() < n {
+        match stream.get_raw_message(seq).await {
+            Ok(m) => {
+                out.push(m);
+                seq += 1;
+            }
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "timed out reading dead letters: {} of {n} ({e})",
+                    out.len()
+                );
+                tokio::time::sleep(ms(50)).await;
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_of_groups_keeps_lanes_slots_and_parallelism() {
+    let mut h = Harness::start(Setup::new(4, &[ms(500)], 3)).await;
+    let groups: Vec<String> = (0..16).map(|g| format!("g-{g}")).collect();
+    let mut ids = HashSet::new();
+    for round in 0..5 {
+        for g in &groups {
+            let ms = if round % 2 == 0 { "5" } else { "1" };
+            let m = msg("slow", Some(g), ms);
+            ids.insert(m.id.clone());
+            h.publish(&m).await;
+        }
+    }
+    let outcomes = h.wait_outcomes(&ids, secs(60)).await;
+    h.shutdown().await;
+
+    assert!(
+        ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)),
+        "every message handled"
+    );
+    assert_eq!(h.obs.ledger.overlaps(), 0, "two calls of one group ran at once");
+    assert!(h.obs.ledger.peak_groups() >= 2, "groups ran in parallel");
+    let mut sources: HashMap<String, HashSet<String>> = HashMap::new();
+    for s in h.all_seen().iter().filter(|s| ids.contains(&s.id)) {
+        sources
+            .entry(s.group.clone().unwrap())
+            .or_default()
+            .insert(s.source.clone());
+    }
+    assert_eq!(sources.len(), groups.len());
+    let mut used = HashSet::new();
+    for (g, subjects) in &sources {
+        let expected = names::slot_subject(&h.topo.name, partition::slot_for(Some(g), "", 4));
+        assert_eq!(
+            subjects,
+            &HashSet::from([expected.clone()]),
+            "group {g} straddled slots"
+        );
+        used.insert(expected);
+    }
+    assert_eq!(used.len(), 4, "every slot used");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cascades_and_ingress_come_through_the_slot_subjects() {
+    let mut h = Harness::start(Setup::new(3, &[ms(500)], 3)).await;
+    let parents: Vec<Envelope> = (0..6).map(|i| msg("publish", Some(&format!("c-{i}")), "x")).collect();
+    let mut ids: HashSet<String> = HashSet::new();
+    for p in &parents {
+        ids.insert(p.id.clone());
+        ids.insert(envelope::cascade_id(&p.id, 0));
+        h.publish(p).await;
+    }
+    // Ingress: a plain client sets only id, type and group; one message lacks the type.
+    let js = js_at(&url()).await;
+    let ingress = names::ingress(&h.topo.name);
+    let mut ingress_ids = Vec::new();
+    for i in 0..4 {
+        let id = format!("in-{i}-{}", h.topo.name);
+        let mut headers = HeaderMap::new();
+        headers.insert(header::MESSAGE_ID, id.as_str());
+        headers.insert(header::MESSAGE_TYPE, "ok");
+        headers.insert(header::GROUP_ID, format!("ig-{i}").as_str());
+        js.publish_with_headers(ingress.clone(), headers, "hi".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        ids.insert(id.clone());
+        ingress_ids.push(id);
+    }
+    let mut headers = HeaderMap::new();
+    headers.insert(header::GROUP_ID, "no-type");
+    js.publish_with_headers(ingress.clone(), headers, "?".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let outcomes = h.wait_outcomes(&ids, secs(60)).await;
+    assert!(ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)));
+    let seen = h.all_seen();
+    let called: HashSet<String> = h.obs.calls.all().into_iter().map(|c| c.id).collect();
+    for id in &called {
+        let s = seen
+            .iter()
+            .find(|s| &s.id == id)
+            .unwrap_or_else(|| panic!("{id} ran without a delivery"));
+        let expected = partition::slot_for(s.group.as_deref(), id, 3);
+        assert_eq!(s.source, names::slot_subject(&h.topo.name, expected));
+    }
+    for id in &ingress_ids {
+        assert!(called.contains(id), "ingress message {id} was forwarded and handled");
+    }
+    let dead = read_dead_letters(&h.topo.name, 1, secs(10)).await;
+    let d = &dead[0].headers;
+    assert_eq!(
+        header_text(d, header::DEAD_LETTER_REASON).as_deref(),
+        Some("undecodable")
+    );
+    assert_eq!(header_text(d, header::SOURCE).as_deref(), Some(ingress.as_str()));
+    assert_eq!(header_text(d, header::GROUP_ID).as_deref(), Some("no-type"));
+    assert!(header_text(d, header::STREAM_SEQUENCE).is_some());
+    h.shutdown().await;
+}
+
+/// The ladder is the server's: a retrying message is redelivered after each
+/// rung (measured start to start, since the server's timer starts at the
+/// delivery), and the host never naks it. The handler runs on
+/// `max_deliver - 1` deliveries (the capture reserve), then the message is
+/// dead-lettered with every provenance header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_gaps_follow_the_backoff() {
+    let ladder = [secs(1), secs(2), secs(3)];
+    let mut h = Harness::start(Setup::new(2, &ladder, 5)).await;
+    let m = msg("retry", Some("r-1"), "x");
+    h.publish(&m).await;
+    h.wait_for(
+        &m.id,
+        Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted),
+        secs(30),
+    )
+    .await;
+    let calls = h.obs.calls.of(&m.id);
+    assert_eq!(calls.iter().map(|c| c.attempt).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    for (i, rung) in ladder.iter().enumerate() {
+        let gap = calls[i + 1].start - calls[i].start;
+        assert!(
+            gap + ms(50) >= *rung && gap < *rung + ms(700),
+            "gap before delivery {} was {gap:?}, rung {rung:?} (a nak would make it ~0)",
+            i + 2
+        );
+    }
+    let dead = read_dead_letters(&h.topo.name, 1, secs(10)).await;
+    let d = &dead[0];
+    let hd = &d.headers;
+    assert_eq!(header_text(hd, header::MESSAGE_ID).as_deref(), Some(m.id.as_str()));
+    assert_eq!(header_text(hd, header::MESSAGE_TYPE).as_deref(), Some("retry"));
+    assert_eq!(header_text(hd, header::GROUP_ID).as_deref(), Some("r-1"));
+    assert_eq!(header_text(hd, header::ATTEMPT).as_deref(), Some("4"));
+    assert_eq!(
+        header_text(hd, header::DEAD_LETTER_REASON).as_deref(),
+        Some("exhausted")
+    );
+    assert_eq!(header_text(hd, header::ERROR).as_deref(), Some("retry by test"));
+    let slot = partition::slot_for(Some("r-1"), "", 2);
+    assert_eq!(
+        header_text(hd, header::SOURCE),
+        Some(names::slot_subject(&h.topo.name, slot))
+    );
+    assert_eq!(header_text(hd, header::HANDLER).as_deref(), Some("faulty"));
+    assert!(header_text(hd, header::HANDLER_VERSION).is_some_and(|v| !v.is_empty()));
+    assert!(header_text(hd, header::FAILED_AT).is_some_and(|v| v.contains('T')));
+    assert_eq!(header_text(hd, header::STREAM_SEQUENCE).as_deref(), Some("1"));
+    assert_eq!(header_text(hd, header::DELIVERY_COUNT).as_deref(), Some("4"));
+    assert_eq!(d.payload.as_ref(), b"x");
+    assert_eq!(d.subject.as_str(), names::dead_letter(&h.topo.name));
+    // The capture was acked with a confirmed ack: the consumer caught up.
+    let snap = h.node().stats().snapshot();
+    assert_eq!((snap.stranded, snap.uncertain), (0, 0));
+    h.shutdown().await;
+}
+
+/// Negative control for `retry_gaps_follow_the_backoff`: a consumer with the
+/// same BackOff that answers each delivery with a plain Nak gets every
+/// delivery at once. A host that naked a retry would fail the test above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_plain_nak_burns_the_ladder() {
+    let topo = Topo::new();
+    let js = js_at(&url()).await;
+    let spec = TopologySpec {
+        retry: weir::retry::schedule::RetryPolicy::new(vec![secs(1), secs(2), secs(3)], 5),
+        ..TopologySpec::new(&topo.name, 1)
+    };
+    let transport = Nats::new(url(), "weir nak control");
+    transport.declare(&spec).await.unwrap();
+    // The slot's own consumer, as Weir configures it.
+    drop(transport.subscribe(&topo.name, 0, 16).await.unwrap());
+    let consumer: jetstream::consumer::PullConsumer = js
+        .get_consumer_from_stream(names::slot_consumer(&topo.name, 0), names::stream(&topo.name))
+        .await
+        .unwrap();
+    assert_eq!(consumer.cached_info().config.backoff, vec![secs(1), secs(2), secs(3)]);
+    transport
+        .publish(&topo.name, 0, envelope::encode(&msg("retry", Some("n"), "x")))
+        .await
+        .unwrap();
+    let mut messages = consumer.messages().await.unwrap();
+    let mut times = Vec::new();
+    while times.len() < 5 {
+        let m = tokio::time::timeout(secs(10), messages.next())
+            .await
+            .expect("a delivery")
+            .unwrap()
+            .unwrap();
+        times.push(Instant::now());
+        m.ack_with(AckKind::Nak(None)).await.unwrap();
+    }
+    let spread = times[4] - times[0];
+    assert!(
+        spread < ms(900),
+        "five deliveries took {spread:?}: a plain Nak should redeliver at once, well under the first rung"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reject_is_dead_lettered_at_once() {
+    let mut h = Harness::start(Setup::new(2, &[secs(1)], 3)).await;
+    let m = msg("reject", Some("rj"), "bad");
+    h.publish(&m).await;
+    h.wait_for(
+        &m.id,
+        Outcome::DeadLettered(weir::retry::capture::Reason::Rejected),
+        secs(20),
+    )
+    .await;
+    assert_eq!(h.obs.calls.of(&m.id).len(), 1, "a reject is not retried");
+    let dead = read_dead_letters(&h.topo.name, 1, secs(10)).await;
+    let hd = &dead[0].headers;
+    assert_eq!(header_text(hd, header::DEAD_LETTER_REASON).as_deref(), Some("rejected"));
+    assert_eq!(header_text(hd, header::ERROR).as_deref(), Some("rejected by test"));
+    assert_eq!(header_text(hd, header::DELIVERY_COUNT).as_deref(), Some("1"));
+    h.shutdown().await;
+}
+
+/// The dead-letter stream is gone: the capture fails, the message is left for
+/// the server's redelivery (`requeued`) rather than acked, the reserved
+/// delivery retries only the capture (the handler does not run again), and
+/// with no delivery left it ends `stranded`, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_capture_is_retried_on_the_reserve_then_stranded() {
+    let mut h = Harness::start(Setup::new(1, &[ms(500), ms(500)], 3)).await;
+    let js = js_at(&url()).await;
+    js.delete_stream(names::dead_letter_stream(&h.topo.name)).await.unwrap();
+    let m = msg("retry", Some("s"), "x");
+    h.publish(&m).await;
+    h.wait_for(&m.id, Outcome::Stranded, secs(20)).await;
+    let settled: Vec<Outcome> = h
+        .settles
+        .1
+        .lock()
+        .iter()
+        .filter(|(i, _)| i == &m.id)
+        .map(|(_, o)| *o)
+        .collect();
+    assert_eq!(
+        settled,
+        vec![Outcome::RetryScheduled, Outcome::Requeued, Outcome::Stranded]
+    );
+    let attempts: Vec<u32> = h.obs.calls.of(&m.id).iter().map(|c| c.attempt).collect();
+    assert_eq!(attempts, vec![1, 2], "delivery 3 only retries the capture");
+    let snap = h.node().stats().snapshot();
+    assert_eq!(snap.stranded, 1);
+    assert_eq!(snap.requeued, 1);
+    assert_eq!(snap.dead_lettered_total(), 0);
+    h.shutdown().await;
+}
+
+/// What nats-server 2.9 accepts: `len(BackOff) == MaxDeliver` is refused
+/// (error 10116, stricter than LESSONS.md's "equal is fine"), one more
+/// delivery is accepted, and `AckWait` is normalised to the first rung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_refuses_a_backoff_as_long_as_max_deliver() {
+    let topo = Topo::new();
+    let transport = Nats::new(url(), "weir schedule facts");
+    let mut spec = TopologySpec::new(&topo.name, 1);
+    spec.retry = weir::retry::schedule::RetryPolicy::new(vec![secs(1), secs(2), secs(3)], 3);
+    transport.declare(&spec).await.unwrap();
+    let refused = transport.subscribe(&topo.name, 0, 8).await.err().expect("refused");
+    assert!(refused.detail.contains("10116"), "{refused}");
+    assert!(refused.detail.contains("weir-"), "names the consumer: {refused}");
+    // The pure check says the same before the server is asked.
+    let check = spec
+        .retry
+        .schedule(weir::retry::schedule::Redelivery::JETSTREAM)
+        .check(&weir::retry::schedule::CheckContext::new("topology[0].retry"));
+    assert!(!check.is_ok());
+
+    let js = js_at(&url()).await;
+    // Unlimited deliveries beside a BackOff are refused too (MaxDeliver -1):
+    // Weir writes a finite stand-in instead, and such a consumer binds.
+    let unlimited = pull::Config {
+        durable_name: Some("unlimited".into()),
+        filter_subject: names::slot_subject(&topo.name, 0),
+        max_deliver: -1,
+        backoff: vec![secs(1)],
+        ..Default::default()
+    };
+    let e = js
+        .create_consumer_on_stream(unlimited, names::stream(&topo.name))
+        .await
+        .expect_err("refused");
+    assert!(e.to_string().contains("10116"), "{e}");
+    spec.retry = weir::retry::schedule::RetryPolicy::new(vec![secs(1), secs(2), secs(3)], 0);
+    let other = Nats::new(url(), "weir unlimited");
+    other.declare(&spec).await.unwrap();
+    drop(
+        other
+            .subscribe(&topo.name, 0, 8)
+            .await
+            .expect("unlimited with a ladder binds"),
+    );
+    let c: jetstream::consumer::PullConsumer = js
+        .get_consumer_from_stream(names::slot_consumer(&topo.name, 0), names::stream(&topo.name))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.cached_info().config.max_deliver,
+        weir::transport::nats::UNLIMITED_WITH_BACKOFF
+    );
+
+    let cfg = pull::Config {
+        durable_name: Some("normalised".into()),
+        filter_subject: names::slot_subject(&topo.name, 0),
+        ack_wait: secs(30),
+        max_deliver: 4,
+        backoff: vec![secs(1), secs(2), secs(3)],
+        ..Default::default()
+    };
+    let c = js
+        .create_consumer_on_stream(cfg, names::stream(&topo.name))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.cached_info().config.ack_wait,
+        secs(1),
+        "AckWait normalised to the first rung"
+    );
+}
+
+/// Two streams may not overlap on nats-server 2.9, so `WEIR_T` cannot cover
+/// `weir.T.>` beside `WEIR_T_DLQ`: an existing `WEIR_T` over the whole
+/// namespace is narrowed to the slot and ingress subjects, keeping its
+/// retention, and then the dead-letter stream can be created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_over_the_whole_namespace_is_narrowed_and_keeps_max_age() {
+    let topo = Topo::new();
+    let js = js_at(&url()).await;
+    js.create_stream(stream::Config {
+        name: names::stream(&topo.name),
+        subjects: vec![format!("weir.{}.>", topo.name)],
+        max_age: secs(3600),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let overlap = js
+        .create_stream(stream::Config {
+            name: names::dead_letter_stream(&topo.name),
+            subjects: vec![names::dead_letter(&topo.name)],
+            ..Default::default()
+        })
+        .await
+        .expect_err("the server refuses overlapping streams");
+    assert!(overlap.to_string().contains("overlap"), "{overlap}");
+
+    let transport = Nats::new(url(), "weir narrow");
+    transport.declare(&TopologySpec::new(&topo.name, 2)).await.unwrap();
+    let mut s = js.get_stream(names::stream(&topo.name)).await.unwrap();
+    let info = s.info().await.unwrap();
+    assert_eq!(info.config.subjects, names::stream_subjects(&topo.name));
+    assert_eq!(info.config.max_age, secs(3600));
+    js.get_stream(names::dead_letter_stream(&topo.name)).await.unwrap();
+    let facts = transport.retry_facts(&topo.name).await.unwrap().unwrap();
+    assert_eq!(facts.stream_max_age, Some(secs(3600)));
+}
+
+/// The start-up check reads the stream's real `max_age` and refuses a ladder
+/// whose last delivery comes after it (silent loss); a config with no retry
+/// section is never refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_refuses_a_ladder_that_outlives_the_stream() {
+    let topo = Topo::new();
+    let js = js_at(&url()).await;
+    js.create_stream(stream::Config {
+        name: names::stream(&topo.name),
+        subjects: names::stream_subjects(&topo.name),
+        max_age: secs(5),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // [1s, 2s, 3s] with max_deliver 5: the last delivery comes 9s after the first.
+    let setup = Setup::new(1, &[secs(1), secs(2), secs(3)], 5);
+    let err = Harness::try_start(&topo, &setup).await.err().expect("refused");
+    let text = format!("{err:#}");
+    assert!(text.contains("max_age = 5s"), "{text}");
+    assert!(text.contains("topology[0].retry"), "{text}");
+    // A ladder that fits starts.
+    let fits = Setup::new(1, &[ms(500)], 3);
+    let node = Harness::try_start(&topo, &fits).await.expect("a fitting ladder starts");
+    node.shutdown().await.unwrap();
+    // No retry section: never refused, even though the default ladder outlives 5s.
+    let mut cfg = config(&topo, &fits, "no-retry");
+    cfg.topology[0].retry = None;
+    let transport = Arc::new(Nats::new(url(), "weir default policy"));
+    let opts = NodeOptions {
+        workers: 1,
+        runtime: common::cached(RuntimeOptions::default()),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&cfg, transport, opts)
+        .await
+        .expect("the default policy is never refused");
+    node.shutdown().await.unwrap();
+}
+
+/// A call longer than AckWait is kept alive with in-progress signals (not
+/// redelivered mid-call), and the floor monitor sees the blocked consumer
+/// stall while an idle one reports none; it recovers once the call ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
+    let mut setup = Setup::new(2, &[secs(1)], 3);
+    setup.options = NatsOptions {
+        floor_poll: ms(200),
+        floor_warn_after: Some(secs(1)),
+    };
+    let mut h = Harness::start(setup).await;
+    tokio::time::sleep(ms(1200)).await;
+    let idle = h.node().ack_floor();
+    assert_eq!(idle.len(), 2, "both slot consumers watched: {idle:?}");
+    assert!(
+        idle.iter().all(|f| f.stalled_for.is_zero()),
+        "idle consumers never stall: {idle:?}"
+    );
+
+    let m = msg("slow", Some("blocked"), "3000");
+    let slot = partition::slot_for(Some("blocked"), "", 2);
+    h.publish(&m).await;
+    let start = Instant::now();
+    let mut longest = Duration::ZERO;
+    while !h.obs.ledger.outcomes().contains_key(&m.id) {
+        assert!(start.elapsed() < secs(15), "the slow call finished");
+        for f in h.node().ack_floor() {
+            if f.slot == slot {
+                longest = longest.max(f.stalled_for);
+            } else {
+                assert!(f.stalled_for.is_zero(), "the other slot is idle: {f:?}");
+            }
+        }
+        tokio::time::sleep(ms(100)).await;
+    }
+    assert_eq!(h.obs.ledger.outcomes().get(&m.id), Some(&Outcome::Handled));
+    assert_eq!(
+        h.obs.calls.of(&m.id).len(),
+        1,
+        "not redelivered mid-call (AckWait is 1s, the call 3s)"
+    );
+    assert!(longest >= ms(1500), "a blocked consumer stalls: longest {longest:?}");
+    tokio::time::sleep(ms(600)).await;
+    assert!(
+        h.node().ack_floor().iter().all(|f| f.stalled_for.is_zero()),
+        "caught up: {:?}",
+        h.node().ack_floor()
+    );
+    h.shutdown().await;
+}
+
+/// Three nodes in `static` mode, each owning its own slots, share the load
+/// without intra-group overlap; every node works, every slot is used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_cluster_of_three_shares_the_slots() {
+    let owned = [vec![0, 3], vec![1, 4], vec![2, 5]];
+    let setups: Vec<Setup> = owned
+        .iter()
+        .map(|o| {
+            let mut s = Setup::new(6, &[ms(500)], 3);
+            s.mode = ClusterMode::Static;
+            s.owned = Some(o.clone());
+            s
+        })
+        .collect();
+    let mut h = Harness::start_on(Topo::new(), setups).await;
+    let mut ids = HashSet::new();
+    for round in 0..4 {
+        for g in 0..24 {
+            let m = msg("slow", Some(&format!("sg-{g}")), if round % 2 == 0 { "3" } else { "1" });
+            ids.insert(m.id.clone());
+            h.publish(&m).await;
+        }
+    }
+    let outcomes = h.wait_outcomes(&ids, secs(60)).await;
+    assert!(ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)));
+    assert_eq!(h.obs.ledger.overlaps(), 0);
+    for (i, seen) in h.per_node.iter().enumerate() {
+        let seen = seen.lock();
+        assert!(!seen.is_empty(), "node {i} did work");
+        for s in seen.iter() {
+            let slot = partition::slot_for(s.group.as_deref(), &s.id, 6);
+            assert!(owned[i].contains(&slot), "node {i} got slot {slot}");
+        }
+    }
+    let used: HashSet<String> = h.all_seen().into_iter().map(|s| s.source).collect();
+    assert_eq!(used.len(), 6, "every slot used");
+    for (i, n) in h.nodes.iter().enumerate() {
+        assert_eq!(n.owned_slots().len(), 2, "node {i} still owns its slots");
+    }
+    h.shutdown().await;
+}
+
+/// A nats-server of this test's own, on a free port with its own store.
+struct OwnServer {
+    child: Option<std::process::Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl OwnServer {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut s = Self {
+            child: None,
+            port,
+            dir: tempfile::tempdir().unwrap(),
+        };
+        s.spawn();
+        s
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let child = std::process::Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nats-server runs");
+        self.child = Some(child);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(start.elapsed() < secs(10), "nats-server listens");
+            std::thread::sleep(ms(50));
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The server stops mid-stream and comes back: the node reconnects, binds its
+/// consumers again and finishes; nothing is lost, no group overlaps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_restart_mid_stream_loses_nothing() {
+    let mut server = OwnServer::start();
+    let topo = Topo::at(server.url());
+    let mut h = Harness::start_on(topo, vec![Setup::new(4, &[ms(500)], 0)]).await;
+    let mut ids = HashSet::new();
+    for _round in 0..30 {
+        for g in 0..8 {
+            let m = msg("slow", Some(&format!("rs-{g}")), "20");
+            ids.insert(m.id.clone());
+            h.publish(&m).await;
+        }
+    }
+    let start = Instant::now();
+    while h.obs.ledger.outcomes().len() < ids.len() / 4 {
+        assert!(start.elapsed() < secs(30), "progress before the fault");
+        tokio::time::sleep(ms(10)).await;
+    }
+    server.stop();
+    let before = h.obs.ledger.outcomes().len();
+    tokio::time::sleep(ms(1500)).await;
+    server.spawn();
+    assert!(before < ids.len(), "the fault hit mid-stream");
+
+    let outcomes = h.wait_outcomes(&ids, secs(120)).await;
+    let handled = ids
+        .iter()
+        .filter(|id| outcomes.get(*id) == Some(&Outcome::Handled))
+        .count();
+    assert_eq!(handled, ids.len(), "nothing lost");
+    assert_eq!(h.obs.ledger.overlaps(), 0, "no overlap across the restart");
+    assert!(h.subscriptions.load(Ordering::Relaxed) >= 4, "every slot subscribed");
+    h.shutdown().await;
+}
+
+/// `weir schedule check` reads the stream's real `max_age` and refuses a
+/// ladder that outlives it, exit 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schedule_check_reads_the_stream_max_age() {
+    let topo = Topo::new();
+    let js = js_at(&url()).await;
+    js.create_stream(stream::Config {
+        name: names::stream(&topo.name),
+        subjects: names::stream_subjects(&topo.name),
+        max_age: secs(5),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        "[transport]\nkind = \"nats\"\nurl = \"{}\"\n[[topology]]\nname = \"{}\"\nslots = 2\n\
+         [topology.retry]\nladder = [\"1s\", \"2s\", \"3s\"]\nmax_deliver = 5\n\
+         [[handler]]\nname = \"orders\"\ncomponent = \"bundled:orders\"\ntopology = \"{}\"\n\
+         message_types = [\"order.placed\"]\n",
+        url(),
+        topo.name,
+        topo.name
+    );
+    let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
+    let path = f.path().to_owned();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["schedule", "check", "--config"])
+            .arg(path)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("broker: stream max_age 5s"), "{stdout}");
+    assert!(stdout.contains("max_age = 5s"), "{stdout}");
+    assert!(stdout.contains("topology[0].retry"), "{stdout}");
+}
