@@ -638,15 +638,13 @@ impl Transport for Nats {
     }
 
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
-        if let Ok(spec) = self.spec(topology)
-            && slot >= spec.slots
+        let slots = self.inner.topologies.lock().get(topology).map(|t| t.slots);
+        if let Some(slots) = slots
+            && slot >= slots
         {
             return Err(TransportError::new(
                 ErrorKind::Invalid,
-                format!(
-                    "slot {slot} does not exist in topology `{topology}` ({} slots)",
-                    spec.slots
-                ),
+                format!("slot {slot} does not exist in topology `{topology}` ({slots} slots)"),
             ));
         }
         let subject = names::slot_subject(topology, slot);
