@@ -14,6 +14,10 @@
 //!   (`--amqp URL`), drained by a bare lapin consumer (no-op, `multiple` ack
 //!   every 128) and then by a Weir node with the noop guest, same prefetch;
 //!   rows `rmq-bare` and `rmq-weir` and their ratio. Not part of `all`.
+//! * `nats-drain` — the same on NATS JetStream (`--nats URL`): a backlog in
+//!   the file-backed stream, drained by a bare async-nats pull consumer per
+//!   slot (batches of 256, one explicit ack per message) and by a Weir node;
+//!   rows `nats-bare` and `nats-weir` and their ratio. Not part of `all`.
 //!
 //! Groups: `bare` (the five bare scenarios), `e2e` (both e2e), `all`.
 //! Output: a table on stdout, JSON in `target/bench/results.json`, one
@@ -33,6 +37,7 @@ use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerSettings, Instan
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 
+mod natsb;
 mod rabbit;
 
 /// The same allocator as the `weir` binary, so the figures are the shipped host's.
@@ -72,13 +77,15 @@ struct Opts {
     prefetch: u32,
     /// RabbitMQ for `rabbitmq-drain`.
     amqp: String,
+    /// NATS for `nats-drain`.
+    nats: String,
     out: PathBuf,
 }
 
 fn usage() -> String {
     format!(
         "usage: weir-bench [SCENARIO|bare|e2e|all]... [--messages N] [--fresh-messages N] [--bare-messages N] \
-         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--amqp URL] [--out PATH]\n\
+         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--amqp URL] [--nats URL] [--out PATH]\n\
          scenarios: {}",
         ALL.join(", ")
     )
@@ -98,6 +105,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         workers: 0,
         prefetch: 0,
         amqp: std::env::var("WEIR_BENCH_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        nats: std::env::var("WEIR_BENCH_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
         out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench/results.json")),
     };
     let mut args = std::env::args().skip(1);
@@ -123,6 +131,7 @@ fn parse_args() -> anyhow::Result<Opts> {
             "--prefetch" => o.prefetch = u32::try_from(num("--prefetch")?)?,
             "--out" => o.out = PathBuf::from(args.next().with_context(usage)?),
             "--amqp" => o.amqp = args.next().with_context(usage)?,
+            "--nats" => o.nats = args.next().with_context(usage)?,
             "-h" | "--help" => {
                 println!("{}", usage());
                 std::process::exit(0);
@@ -131,6 +140,7 @@ fn parse_args() -> anyhow::Result<Opts> {
             "bare" => o.scenarios.extend(&ALL[..5]),
             "e2e" => o.scenarios.extend(&ALL[5..]),
             "rabbitmq-drain" => o.scenarios.push("rabbitmq-drain"),
+            "nats-drain" => o.scenarios.push("nats-drain"),
             s => match ALL.iter().find(|n| **n == s) {
                 Some(n) => o.scenarios.push(n),
                 None => bail!("unknown argument {s:?}\n{}", usage()),
@@ -553,6 +563,72 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
     ))
 }
 
+// ---------------------------------------------------------- nats-drain ---
+
+fn nats_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
+    let tokio_rt = node::async_runtime()?;
+    let prefetch = match o.prefetch {
+        0 => config::Transport::default().prefetch,
+        p => p,
+    };
+    let n = o.messages;
+    let cache = o.out.parent().map(|p| p.join("cache"));
+    let (mut bare_ns, mut weir_ns) = (Vec::new(), Vec::new());
+    // Warm-up (compiles the guest into the cache), discarded.
+    tokio_rt.block_on(natsb::weir(
+        &o.nats,
+        o.slots,
+        (n / 10).max(1000),
+        o.groups,
+        prefetch,
+        o.workers,
+        cache.clone(),
+    ))?;
+    for r in 0..o.runs {
+        let b = tokio_rt.block_on(natsb::bare(&o.nats, o.slots, n, o.groups, prefetch))?;
+        let w = tokio_rt.block_on(natsb::weir(
+            &o.nats,
+            o.slots,
+            n,
+            o.groups,
+            prefetch,
+            o.workers,
+            cache.clone(),
+        ))?;
+        let (bns, wns) = (b.wall.as_nanos() as f64 / n as f64, w.wall.as_nanos() as f64 / n as f64);
+        eprintln!(
+            "[weir-bench] nats-drain run {}/{}: bare {:.0} msg/s, weir {:.0} msg/s, ratio {:.2}",
+            r + 1,
+            o.runs,
+            1e9 / bns,
+            1e9 / wns,
+            bns / wns
+        );
+        bare_ns.push(bns);
+        weir_ns.push(wns);
+    }
+    let note = format!(
+        "{n} msgs preloaded into a file-backed stream over {} slot subjects, max-ack-pending {prefetch}, {} groups",
+        o.slots, o.groups
+    );
+    Ok((
+        Row {
+            name: "nats-bare",
+            messages: n,
+            runs_ns: bare_ns,
+            extra: vec![],
+            note: format!("bare async-nats pull consumer per slot, batches of 256, one ack per message; {note}"),
+        },
+        Row {
+            name: "nats-weir",
+            messages: n,
+            runs_ns: weir_ns,
+            extra: vec![],
+            note: format!("Weir node, noop guest (timed from Node::start); {note}"),
+        },
+    ))
+}
+
 // ---------------------------------------------------------------- main ---
 
 fn machine() -> Value {
@@ -586,7 +662,7 @@ fn main() -> anyhow::Result<()> {
     let needs_bare = o
         .scenarios
         .iter()
-        .any(|s| !s.starts_with("e2e") && !s.starts_with("rabbitmq"));
+        .any(|s| !s.starts_with("e2e") && !s.ends_with("-drain"));
     let rt = if needs_bare {
         Some(Runtime::new(RuntimeOptions::default())?)
     } else {
@@ -603,6 +679,11 @@ fn main() -> anyhow::Result<()> {
             ("e2e-fresh", _) => e2e(&o, config::InstanceMode::Fresh, s)?,
             ("rabbitmq-drain", _) => {
                 let (bare, weir) = rabbitmq_drain(&o)?;
+                rows.push(bare);
+                weir
+            }
+            ("nats-drain", _) => {
+                let (bare, weir) = nats_drain(&o)?;
                 rows.push(bare);
                 weir
             }
@@ -656,6 +737,13 @@ fn main() -> anyhow::Result<()> {
         println!("rabbitmq-drain: Weir / bare consumer = {ratio:.2} (target >= 0.90)");
         rabbitmq_drain = json!({ "weir_over_bare": ratio, "target": 0.9, "meets_target": ratio >= 0.9 });
     }
+    let mut nats_drain = Value::Null;
+    if let (Some(b), Some(w)) = (find("nats-bare"), find("nats-weir")) {
+        let ratio = b.ns() / w.ns();
+        println!();
+        println!("nats-drain: Weir / bare consumer = {ratio:.2} (target >= 0.90)");
+        nats_drain = json!({ "weir_over_bare": ratio, "target": 0.9, "meets_target": ratio >= 0.9 });
+    }
     if !overhead.is_empty() {
         println!();
         println!("host overhead = e2e − bare (target ≤ 1500 ns/msg, compare the per-core column)");
@@ -684,6 +772,7 @@ fn main() -> anyhow::Result<()> {
         "results": rows.iter().map(Row::json).collect::<Vec<_>>(),
         "host_overhead": overhead,
         "rabbitmq_drain": rabbitmq_drain,
+        "nats_drain": nats_drain,
     });
     if let Some(dir) = o.out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -1,0 +1,196 @@
+//! `nats-drain`: a backlog of N messages preloaded into the file-backed
+//! stream of a fresh topology, drained (1) by a bare async-nats pull consumer
+//! per slot (batches of 256, one explicit ack per message, no-op native
+//! handler), and (2) by a Weir node with the noop guest; same
+//! max-ack-pending, same backlog shape, in one run. Each drain gets its own
+//! topology, whose streams are deleted afterwards.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use async_nats::jetstream::{self, consumer::pull};
+use futures::StreamExt as _;
+
+use weir::config::{self, Config};
+use weir::node::{self, Node, NodeOptions};
+use weir::runtime::RuntimeOptions;
+use weir::transport::nats::{Nats, names};
+use weir::transport::{TopologySpec, Transport};
+
+/// Messages asked for in one pull request by the bare consumer.
+const BARE_BATCH: usize = 256;
+
+/// What one drain measured.
+pub struct Drain {
+    pub wall: Duration,
+}
+
+fn topology_name() -> String {
+    format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyhow::Result<()> {
+    let t = Nats::new(url, "weir-bench preload");
+    t.declare(&TopologySpec::new(topo, slots))
+        .await
+        .map_err(|e| anyhow::anyhow!("declaring {topo}: {e}"))?;
+    let t = &t;
+    let mut results = futures::stream::iter(0..n)
+        .map(|i| async move {
+            let env = crate::message(i, Some(format!("group-{}", i % groups)));
+            node::publish(t, topo, slots, &env).await
+        })
+        .buffer_unordered(256);
+    while let Some(r) = results.next().await {
+        r.map_err(|e| anyhow::anyhow!("preloading {topo}: {e}"))?;
+    }
+    Ok(())
+}
+
+async fn cleanup(url: &str, topo: &str) {
+    let Ok(client) = async_nats::connect(url).await else {
+        return;
+    };
+    let js = jetstream::new(client);
+    for s in [names::stream(topo), names::dead_letter_stream(topo)] {
+        let _ = js.delete_stream(&s).await;
+    }
+}
+
+/// The bare consumer: one durable pull consumer per slot (Weir's names and
+/// filter, explicit ack), batches of 256, one `+ACK` per message.
+pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u32) -> anyhow::Result<Drain> {
+    let topo = topology_name();
+    preload(url, &topo, slots, n, groups).await?;
+    let result = async {
+        let js = jetstream::new(async_nats::connect(url).await?);
+        let stream = names::stream(&topo);
+        let mut consumers = Vec::new();
+        for s in 0..slots {
+            let c: jetstream::consumer::PullConsumer = js
+                .create_consumer_on_stream(
+                    pull::Config {
+                        durable_name: Some(names::slot_consumer(&topo, s)),
+                        filter_subject: names::slot_subject(&topo, s),
+                        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                        max_ack_pending: i64::from(prefetch),
+                        ..pull::Config::default()
+                    },
+                    &stream,
+                )
+                .await?;
+            let count = c.cached_info().num_pending;
+            consumers.push((c, count));
+        }
+        let t0 = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (c, count) in consumers {
+            tasks.spawn(async move {
+                let mut messages = c.stream().max_messages_per_batch(BARE_BATCH).messages().await?;
+                let mut got = 0u64;
+                while got < count {
+                    let m = messages
+                        .next()
+                        .await
+                        .context("consumer ended")?
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    got += 1;
+                    std::hint::black_box(&m.payload);
+                    m.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r??;
+        }
+        anyhow::Ok(Drain { wall: t0.elapsed() })
+    }
+    .await;
+    cleanup(url, &topo).await;
+    result
+}
+
+fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
+    let handler = config::Handler::new("noop", "bundled:noop", topo, vec![crate::MESSAGE_TYPE.into()]);
+    let mut t = config::Topology::new(topo, slots);
+    t.max_concurrent_groups = 256;
+    Config {
+        node: config::Node {
+            name: "bench".into(),
+            admin: None,
+        },
+        transport: config::Transport {
+            kind: config::TransportKind::Nats,
+            url: Some(url.to_owned()),
+            prefetch,
+        },
+        cluster: config::Cluster::default(),
+        topology: vec![t],
+        handler: vec![handler],
+        origin: "<weir-bench nats-drain>".into(),
+    }
+}
+
+/// Weir with the noop guest on the same backlog; wall time from the node
+/// being up until every message was handled, then every consumer is checked
+/// to have nothing pending.
+pub async fn weir(
+    url: &str,
+    slots: u32,
+    n: u64,
+    groups: u64,
+    prefetch: u32,
+    workers: usize,
+    cache: Option<std::path::PathBuf>,
+) -> anyhow::Result<Drain> {
+    let topo = topology_name();
+    preload(url, &topo, slots, n, groups).await?;
+    let result = async {
+        let cfg = weir_config(url, &topo, slots, prefetch);
+        let transport: Arc<dyn Transport> = Arc::new(Nats::new(url, "weir-bench node"));
+        let opts = NodeOptions {
+            workers,
+            runtime: RuntimeOptions {
+                cache_dir: cache,
+                ..RuntimeOptions::default()
+            },
+            ..NodeOptions::default()
+        };
+        let t0 = Instant::now();
+        let node = Node::start(&cfg, transport, opts).await?;
+        let stats = node.stats();
+        loop {
+            let s = stats.snapshot();
+            if s.handled >= n {
+                break;
+            }
+            if s.finished() + s.retry_scheduled + s.faults > s.handled {
+                bail!("nats-drain: something other than `handled` happened: {s:?}");
+            }
+            if t0.elapsed() > Duration::from_secs(600) {
+                bail!("nats-drain: only {} of {n} handled after 600 s", s.handled);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let wall = t0.elapsed();
+        node.shutdown().await?;
+        let js = jetstream::new(async_nats::connect(url).await?);
+        let stream = names::stream(&topo);
+        for s in 0..slots {
+            let info = js
+                .get_consumer_from_stream::<pull::Config, _, _>(names::slot_consumer(&topo, s), &stream)
+                .await?
+                .get_info()
+                .await?;
+            if info.num_pending != 0 {
+                bail!("nats-drain: slot {s} still has {} messages pending", info.num_pending);
+            }
+        }
+        anyhow::Ok(Drain { wall })
+    }
+    .await;
+    cleanup(url, &topo).await;
+    result
+}
