@@ -104,15 +104,21 @@ struct Recording {
     inner: Nats,
     seen: Arc<Mutex<Vec<Seen>>>,
     subscriptions: Arc<AtomicU32>,
+    /// Slot subscriptions stop pulling after this many deliveries.
+    stall_after: Option<usize>,
 }
 
 struct RecordingSub {
     inner: Box<dyn Subscription>,
     seen: Arc<Mutex<Vec<Seen>>>,
+    left: Option<usize>,
 }
 
 impl RecordingSub {
-    fn note(&self, d: &Option<Result<Delivery, TransportError>>) {
+    fn note(&mut self, d: &Option<Result<Delivery, TransportError>>) {
+        if let (Some(Ok(_)), Some(left)) = (d, self.left.as_mut()) {
+            *left = left.saturating_sub(1);
+        }
         if let Some(Ok(d)) = d
             && let Ok(env) = &d.message
         {
@@ -128,11 +134,18 @@ impl RecordingSub {
 #[async_trait]
 impl Subscription for RecordingSub {
     async fn next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        if self.left == Some(0) {
+            // Stalled: never poll the pull stream again, so no new pull request is sent.
+            return futures::future::pending().await;
+        }
         let d = self.inner.next().await;
         self.note(&d);
         d
     }
     fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
+        if self.left == Some(0) {
+            return None;
+        }
         let d = self.inner.try_next();
         self.note(&d);
         d
@@ -156,6 +169,7 @@ impl Transport for Recording {
         Ok(Box::new(RecordingSub {
             inner,
             seen: self.seen.clone(),
+            left: self.stall_after,
         }))
     }
     async fn subscribe_ingress(&self, t: &str, prefetch: u32) -> Result<Option<Box<dyn Subscription>>, TransportError> {
@@ -294,38 +308,45 @@ impl Harness {
     async fn start_on(topo: Topo, setups: Vec<Setup>) -> Self {
         let obs = Arc::new(Observer::default());
         let settles = Arc::new(LedgerSettle(obs.clone(), Mutex::new(Vec::new())));
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let subscriptions = Arc::new(AtomicU32::new(0));
-        let mut nodes = Vec::new();
-        let mut per_node = Vec::new();
-        for (i, setup) in setups.iter().enumerate() {
-            let node_name = format!("node-{i}-{}", topo.name);
-            let cfg = config(&topo, setup, &node_name);
-            let mine = Arc::new(Mutex::new(Vec::new()));
-            let transport = Arc::new(Recording {
-                inner: Nats::with_options(&topo.url, format!("weir {node_name}"), setup.options.clone()),
-                seen: mine.clone(),
-                subscriptions: subscriptions.clone(),
-            });
-            let opts = NodeOptions {
-                workers: 2,
-                runtime: common::cached(RuntimeOptions::default()),
-                call_observer: Some(obs.clone()),
-                settle_observer: Some(settles.clone()),
-                ..NodeOptions::default()
-            };
-            nodes.push(Node::start(&cfg, transport, opts).await.expect("node starts on NATS"));
-            per_node.push(mine);
-        }
-        Self {
-            nodes,
+        let mut h = Self {
+            nodes: Vec::new(),
             topo,
             obs,
             settles,
-            seen,
-            subscriptions,
-            per_node,
+            seen: Arc::new(Mutex::new(Vec::new())),
+            subscriptions: Arc::new(AtomicU32::new(0)),
+            per_node: Vec::new(),
+        };
+        for setup in &setups {
+            h.add_node(setup, None).await;
         }
+        h
+    }
+
+    /// Start one more node on the harness's topology and ledger. With
+    /// `stall_after = Some(k)`, its slot subscriptions hand over `k`
+    /// deliveries and then stop pulling (a node busy with what it holds).
+    async fn add_node(&mut self, setup: &Setup, stall_after: Option<usize>) {
+        let i = self.nodes.len();
+        let node_name = format!("node-{i}-{}", self.topo.name);
+        let cfg = config(&self.topo, setup, &node_name);
+        let mine = Arc::new(Mutex::new(Vec::new()));
+        let transport = Arc::new(Recording {
+            inner: Nats::with_options(&self.topo.url, format!("weir {node_name}"), setup.options.clone()),
+            seen: mine.clone(),
+            subscriptions: self.subscriptions.clone(),
+            stall_after,
+        });
+        let opts = NodeOptions {
+            workers: 2,
+            runtime: common::cached(RuntimeOptions::default()),
+            call_observer: Some(self.obs.clone()),
+            settle_observer: Some(self.settles.clone()),
+            ..NodeOptions::default()
+        };
+        self.nodes
+            .push(Node::start(&cfg, transport, opts).await.expect("node starts on NATS"));
+        self.per_node.push(mine);
     }
 
     fn node(&self) -> &Node {
@@ -916,6 +937,46 @@ async fn static_cluster_of_three_shares_the_slots() {
     for (i, n) in h.nodes.iter().enumerate() {
         assert_eq!(n.owned_slots().len(), 2, "node {i} still owns its slots");
     }
+    h.shutdown().await;
+}
+
+/// Negative control for `static_cluster_of_three_shares_the_slots`: two
+/// nodes given the same slot both pull from its consumer (a pull consumer
+/// has no single active consumer), and the ledger sees one group run on both
+/// at once. Deterministic: node 0 holds the first message of the group in a
+/// long call and sends no further pull request, so the second message can
+/// only go to node 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_two_nodes_on_one_slot_overlap() {
+    let mut setup = Setup::new(1, &[ms(500)], 3);
+    setup.mode = ClusterMode::Static;
+    setup.owned = Some(vec![0]);
+    let mut h = Harness::start_on(Topo::new(), Vec::new()).await;
+    let mut first = setup.clone();
+    first.prefetch = 1;
+    h.add_node(&first, Some(1)).await;
+    let m1 = msg("slow", Some("shared"), "2500");
+    h.publish(&m1).await;
+    let start = Instant::now();
+    while h.obs.calls.of(&m1.id).is_empty() {
+        assert!(start.elapsed() < secs(10), "node 0 started the first message");
+        tokio::time::sleep(ms(10)).await;
+    }
+    h.add_node(&setup, None).await;
+    let m2 = msg("slow", Some("shared"), "300");
+    h.publish(&m2).await;
+    let ids = HashSet::from([m1.id.clone(), m2.id.clone()]);
+    let outcomes = h.wait_outcomes(&ids, secs(20)).await;
+    assert!(ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)));
+    assert_eq!(h.per_node[0].lock().len(), 1, "node 0 took only the first");
+    assert!(
+        h.per_node[1].lock().iter().any(|s| s.id == m2.id),
+        "node 1 took the second"
+    );
+    assert!(
+        h.obs.ledger.overlaps() >= 1,
+        "the ledger sees the group run on both nodes at once"
+    );
     h.shutdown().await;
 }
 
