@@ -189,7 +189,7 @@ fn wire_of(headers: Option<&HeaderMap>, payload: Bytes) -> Wire {
     if let Some(h) = headers {
         for (name, values) in h.iter() {
             for v in values {
-                out.push((name.to_string(), v.as_str().to_owned()));
+                out.push((AsRef::<str>::as_ref(name).to_owned(), v.as_str().to_owned()));
             }
         }
     }
