@@ -719,6 +719,19 @@ async fn server_refuses_a_backoff_as_long_as_max_deliver() {
     assert!(!check.is_ok());
 
     let js = js_at(&url()).await;
+    // Longer than MaxDeliver: refused as well, of course.
+    let longer = pull::Config {
+        durable_name: Some("longer".into()),
+        filter_subject: names::slot_subject(&topo.name, 0),
+        max_deliver: 2,
+        backoff: vec![secs(1), secs(2), secs(3)],
+        ..Default::default()
+    };
+    let e = js
+        .create_consumer_on_stream(longer, names::stream(&topo.name))
+        .await
+        .expect_err("refused");
+    assert!(e.to_string().contains("10116"), "{e}");
     // Unlimited deliveries beside a BackOff are refused too (MaxDeliver -1):
     // Weir writes a finite stand-in instead, and such a consumer binds.
     let unlimited = pull::Config {
