@@ -5,6 +5,7 @@
 pub mod config;
 pub mod demo;
 pub mod envelope;
+pub mod journal;
 pub mod lanes;
 pub mod ledger;
 pub mod node;
