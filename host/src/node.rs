@@ -449,6 +449,7 @@ async fn forward_ingress(
             }
         }
         drain_ingress(sub.as_mut(), &mut total).await;
+        sub.close().await;
         if !stopping(&stop) && pause(&mut stop, backoff).await {
             break;
         }

@@ -127,7 +127,7 @@ pub async fn capture(
     let system = transport.system();
     let wire = dead_letter_wire(message, p);
     match transport.publish_dead_letter(topology, wire).await {
-        Ok(()) => match acker.settle(Disposition::Ack).await {
+        Ok(()) => match acker.settle(Disposition::AckCaptured).await {
             Ok(()) => {
                 tracing::info!(
                     messaging.system = system,

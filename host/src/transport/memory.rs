@@ -463,7 +463,7 @@ impl Acker for MemoryAcker {
             ));
         };
         match disposition {
-            Disposition::Ack => {
+            Disposition::Ack | Disposition::AckCaptured => {
                 self.queue.notify.notify_waiters();
                 if take(&self.broker.shared.faults.lose_ack_confirms) {
                     return Err(TransportError::new(
