@@ -10,6 +10,10 @@
 //!   The same cluster, but the sender computes slots with the wrong function
 //!   (by message id, the classic mistake), so one group's messages reach
 //!   every node and run at once. The ledger must see it.
+//! - `nodes_sharing_slots_without_single_active_consumer_overlap`: the
+//!   other red baseline. Every node consumes every slot and the queues are
+//!   declared without single active consumer (a negative-control switch of
+//!   the binary), so the ledger must report overlaps.
 //! - `single_active_consumer_fails_over_on_crash_and_on_drain`:
 //!   `rabbitmq-sac`, a crash (SIGKILL) of the active node mid-stream and a
 //!   graceful stop of the next; the last node finishes everything.
@@ -30,7 +34,7 @@ use weir::journal::Report;
 use weir::node::bundled;
 use weir::partition;
 use weir::transport::Transport as _;
-use weir::transport::rabbitmq::RabbitMq;
+use weir::transport::rabbitmq::{self, RabbitMq};
 
 const SLOTS: u32 = 6;
 
@@ -185,6 +189,36 @@ fn misrouted_sender_makes_the_ledger_report_overlaps() {
         !report.overlaps.is_empty(),
         "groups ran on several nodes ({straddling} straddle) yet the ledger saw no overlap: it is blind"
     );
+    for n in &mut cluster.nodes {
+        n.terminate(Duration::from_secs(30));
+    }
+}
+
+#[test]
+fn nodes_sharing_slots_without_single_active_consumer_overlap() {
+    // The red baseline: all 3 nodes consume all 6 slots, on queues
+    // declared without single active consumer. The broker hands each
+    // queue's messages round-robin to all three, so a group runs on three
+    // nodes at once.
+    let topo = Topo::new(SLOTS, &[]);
+    let mut cluster = Cluster::default();
+    let every: Vec<u32> = (0..SLOTS).collect();
+    let env = [(rabbitmq::NEGATIVE_CONTROL_NO_SAC, "1")];
+    for i in 0..3 {
+        cluster.start_with_env(
+            &format!("node-{i}"),
+            &static_config(&topo, &format!("node-{i}"), &every),
+            &env,
+        );
+    }
+    let msgs = messages(3, 12, 40);
+    publish(&topo, &msgs, right_slot);
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    assert!(
+        report.nodes_per_group().values().any(|n| n.len() > 1),
+        "without single active consumer a group must reach several nodes"
+    );
+    assert!(!report.overlaps.is_empty(), "the ledger saw no overlap: it is blind");
     for n in &mut cluster.nodes {
         n.terminate(Duration::from_secs(30));
     }

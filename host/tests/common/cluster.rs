@@ -107,6 +107,11 @@ impl Cluster {
     /// Start `weir run` with `config` (TOML) as node `name`, and wait until
     /// it logs that it started. Returns the node's index.
     pub fn start(&mut self, name: &str, config: &str) -> usize {
+        self.start_with_env(name, config, &[])
+    }
+
+    /// [`Cluster::start`] with extra environment variables.
+    pub fn start_with_env(&mut self, name: &str, config: &str, env: &[(&str, &str)]) -> usize {
         let dir = self.dir.path();
         let config_path = dir.join(format!("{name}.toml"));
         std::fs::write(&config_path, config).unwrap();
@@ -118,6 +123,7 @@ impl Cluster {
             .arg(&config_path)
             .env("RUST_LOG", "warn,weir=info")
             .env(journal::ENV, &journal)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out)
