@@ -5,6 +5,7 @@
 #![allow(dead_code, reason = "each test crate uses a different subset")]
 
 pub mod cluster;
+pub mod compliance;
 pub mod rabbit;
 
 use std::path::PathBuf;
