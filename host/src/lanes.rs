@@ -239,6 +239,7 @@ impl SlotRunner {
             }
         }
         self.drain().await;
+        sub.close().await;
         drop(sub);
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner drained");
         Ok(self.report)

@@ -6,6 +6,7 @@ pub mod config;
 pub mod demo;
 pub mod envelope;
 pub mod floor;
+pub mod journal;
 pub mod lanes;
 pub mod ledger;
 pub mod node;

@@ -2,12 +2,14 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 use weir::config;
 use weir::demo::{self, DemoOptions};
+use weir::journal::{self, Journal};
 use weir::node::{self, Node, NodeOptions};
 
 mod publish;
@@ -140,7 +142,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             runtime()?.block_on(async {
                 let transport = node::transport_for(&cfg)?;
-                let node = Node::start(&cfg, transport, NodeOptions::default()).await?;
+                let mut opts = NodeOptions::default();
+                // A cluster-wide ledger for multi-process tests (see weir::journal).
+                if let Some(path) = std::env::var_os(journal::ENV) {
+                    let j = Arc::new(Journal::open(std::path::Path::new(&path), &cfg.node.name)?);
+                    opts.call_observer = Some(j.clone());
+                    opts.settle_observer = Some(j);
+                }
+                let node = Node::start(&cfg, transport, opts).await?;
                 wait_for_signal().await?;
                 tracing::info!("signal received: draining");
                 let reports = node.shutdown().await?;

@@ -290,13 +290,13 @@ impl Node {
                     .copied()
                     .filter(|s| *s < t.slots)
                     .collect(),
-                other => bail!(
-                    "{}: cluster.mode = \"{}\" needs a coordinator that this build does not have yet; accepted: \"solo\", \"static\"",
+                // Every node subscribes to every slot; each slot queue has a
+                // single active consumer, so the broker picks one node per
+                // slot and activates another when that one goes away.
+                ClusterMode::RabbitmqSac => (0..t.slots).collect(),
+                ClusterMode::Postgres => bail!(
+                    "{}: cluster.mode = \"postgres\" needs the PostgreSQL coordinator, which this build does not have yet; accepted: \"solo\", \"static\", \"rabbitmq-sac\"",
                     config.origin,
-                    match other {
-                        ClusterMode::Postgres => "postgres",
-                        _ => "rabbitmq-sac",
-                    }
                 ),
             };
             let schedule = t.schedule(config.transport.kind, None);
@@ -502,6 +502,7 @@ async fn forward_ingress(
             }
         }
         drain_ingress(sub.as_mut(), &mut total).await;
+        sub.close().await;
         if !stopping(&stop) && pause(&mut stop, backoff).await {
             break;
         }

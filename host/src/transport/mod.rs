@@ -53,12 +53,12 @@ impl TransportError {
 /// [`Acker::settle`], once.
 #[derive(Debug)]
 pub enum Disposition {
-    /// Done: handled (cascades confirmed) or captured (capture confirmed).
+    /// Done: handled (cascades confirmed) or forwarded. Brokers may coalesce
+    /// these acks, never over a delivery that is not settled.
     Ack,
-    /// Done after a confirmed dead-letter capture: an ack whose receipt the
-    /// broker confirms where it can (JetStream double ack), so a lost ack is
-    /// reported as `uncertain`. Brokers without such a reply treat it as
-    /// [`Disposition::Ack`].
+    /// Captured on the dead-letter destination (capture confirmed): ack now,
+    /// on its own, and wait for whatever answer the broker gives, so that a
+    /// lost ack is reported (`uncertain`) instead of assumed.
     AckCaptured,
     /// Retryable failure: deliver `envelope` (attempt already incremented)
     /// again after `delay`. Brokers that own the ladder ignore the delay.
@@ -142,6 +142,11 @@ pub trait Subscription: Send {
     fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
         None
     }
+
+    /// Put on the wire what the subscription still owes the broker (acks it
+    /// coalesced) before it is dropped. Called after the drain; the default
+    /// has nothing to do.
+    async fn close(&mut self) {}
 }
 
 /// A topology as the transport needs to know it.

@@ -42,6 +42,10 @@ use super::{
 };
 use crate::envelope::{self, Wire, header};
 
+mod coalesce;
+
+use coalesce::Coalescer;
+
 /// `messaging.system` of this transport.
 const SYSTEM: &str = "rabbitmq";
 
@@ -396,11 +400,13 @@ impl RabbitMq {
             prefetch,
             "consumer started"
         );
+        let queue: Arc<str> = Arc::from(queue.as_str());
         Ok(Box::new(RabbitSubscription {
             transport: self.clone(),
             topology: Arc::from(topology),
             slot,
-            queue: Arc::from(queue.as_str()),
+            acks: Coalescer::start(channel.clone(), queue.clone()),
+            queue,
             consumer,
             _channel: channel,
         }))
@@ -412,6 +418,25 @@ fn declare_options() -> QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     }
+}
+
+/// Negative control for the multi-process cluster tests, never for
+/// production: when this environment variable is `1`, slot queues are
+/// declared without single active consumer, so nodes that claim the same
+/// slot really consume it at the same time. A broker that already has the
+/// queues with the argument refuses the declaration.
+pub const NEGATIVE_CONTROL_NO_SAC: &str = "WEIR_NEGATIVE_CONTROL_NO_SINGLE_ACTIVE_CONSUMER";
+
+fn slot_queue_arguments(topology: &str) -> (FieldTable, &'static str) {
+    if std::env::var(NEGATIVE_CONTROL_NO_SAC).is_ok_and(|v| v == "1") {
+        tracing::error!(
+            messaging.system = SYSTEM,
+            topology,
+            "{NEGATIVE_CONTROL_NO_SAC}=1: slot queues WITHOUT single active consumer (a test's negative control; never in production)"
+        );
+        return (FieldTable::default(), "durable, no arguments");
+    }
+    (single_active_consumer(), "durable, x-single-active-consumer = true")
 }
 
 fn single_active_consumer() -> FieldTable {
@@ -466,9 +491,10 @@ async fn declare_on(connection: &Connection, spec: &TopologySpec) -> Result<(), 
         }
     };
     const SAC: &str = "durable, x-single-active-consumer = true";
+    let (slot_args, slot_shape) = slot_queue_arguments(t);
     for n in 0..spec.slots {
         let q = names::slot_queue(t, n);
-        queue(q.clone(), single_active_consumer(), SAC).await?;
+        queue(q.clone(), slot_args.clone(), slot_shape).await?;
         bind(q, exchange.clone(), n.to_string()).await?;
     }
     let ingress = names::ingress(t);
@@ -590,9 +616,20 @@ struct RabbitSubscription {
     slot: Option<u32>,
     queue: Arc<str>,
     consumer: lapin::Consumer,
-    /// Kept open while the subscription lives; dropping the consumer cancels
-    /// it and closes the channel, which returns unsettled deliveries.
+    /// Acks of handled deliveries, coalesced (see [`coalesce`]).
+    acks: Arc<Coalescer>,
+    /// Kept open while the subscription lives; once the consumer, the
+    /// coalescer and every acker are gone the channel closes, which returns
+    /// unsettled deliveries.
     _channel: lapin::Channel,
+}
+
+impl Drop for RabbitSubscription {
+    fn drop(&mut self) {
+        // After `close` this is a no-op; without it (an error path) the
+        // finished deliveries not yet acked are redelivered.
+        self.acks.close();
+    }
 }
 
 impl RabbitSubscription {
@@ -617,6 +654,7 @@ impl RabbitSubscription {
         let amqp_id = properties.message_id().as_ref().map(|s| s.as_str().to_owned());
         let wire = wire_of(&properties, data);
         let message = envelope::decode(wire, || amqp_id.unwrap_or_else(envelope::fresh_id), None);
+        self.acks.received(delivery_tag);
         Delivery {
             message,
             source: self.queue.clone(),
@@ -628,6 +666,7 @@ impl RabbitSubscription {
                 slot: self.slot,
                 queue: self.queue.clone(),
                 tag: delivery_tag,
+                acks: self.acks.clone(),
             }),
         }
     }
@@ -644,6 +683,10 @@ impl Subscription for RabbitSubscription {
         let item = self.consumer.next().now_or_never()?;
         self.map(item)
     }
+
+    async fn close(&mut self) {
+        self.acks.flush_all().await;
+    }
 }
 
 /// Settles one RabbitMQ delivery.
@@ -655,6 +698,7 @@ struct RabbitAcker {
     slot: Option<u32>,
     queue: Arc<str>,
     tag: u64,
+    acks: Arc<Coalescer>,
 }
 
 impl RabbitAcker {
@@ -695,6 +739,20 @@ impl RabbitAcker {
 #[async_trait]
 impl Acker for RabbitAcker {
     async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
+        if matches!(disposition, Disposition::Ack) && self.acks.finished(self.tag) {
+            return Ok(());
+        }
+        let result = self.settle_now(disposition).await;
+        // Only now, with its frame handed to the channel, may a coalesced
+        // `multiple` ack pass over this delivery.
+        self.acks.settled(self.tag);
+        result
+    }
+}
+
+impl RabbitAcker {
+    /// Settle on the wire, on its own.
+    async fn settle_now(&self, disposition: Disposition) -> Result<(), TransportError> {
         match disposition {
             Disposition::Ack | Disposition::AckCaptured => self.ack().await,
             Disposition::Release | Disposition::Defer => self.release().await,

@@ -4,6 +4,10 @@
 
 #![allow(dead_code, reason = "each test crate uses a different subset")]
 
+pub mod cluster;
+pub mod compliance;
+pub mod rabbit;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Instant;
