@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+use weir::cluster::postgres;
 use weir::config;
 use weir::demo::{self, DemoOptions};
 use weir::journal::{self, Journal};
@@ -40,6 +41,16 @@ enum Command {
         /// The node's TOML config.
         #[arg(long)]
         config: PathBuf,
+    },
+    /// The cluster as the coordinator database has it: nodes (lease age,
+    /// leader) and slots (owner, fencing epoch, state). `postgres` mode.
+    Status {
+        /// The node's TOML config (its `[cluster] database_url`).
+        #[arg(long)]
+        config: PathBuf,
+        /// Print JSON (the same as `GET /v1/slots`) instead of tables.
+        #[arg(long)]
+        json: bool,
     },
     /// Publish messages through the configured broker to the slot of their
     /// group (publisher confirms), with a progress bar for large counts.
@@ -188,6 +199,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Schedule {
             command: ScheduleCommand::Check { config },
         } => schedule_check(&config),
+        Command::Status { config, json } => {
+            let cfg = config::load(&config)?;
+            if cfg.cluster.mode != config::ClusterMode::Postgres {
+                anyhow::bail!(
+                    "{}: `weir status` reads the coordinator database; it needs cluster.mode = \"postgres\"",
+                    cfg.origin
+                );
+            }
+            let url = cfg.cluster.database_url.clone().unwrap_or_default();
+            let status = runtime()?.block_on(async {
+                let pool = postgres::connect(&url).await?;
+                postgres::status(&pool).await
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{status}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

@@ -8,8 +8,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 
+use crate::cluster::postgres::Coordinator;
+use crate::cluster::slots::{CancelCell, SlotSet};
 use crate::config::{self, ClusterMode, Config, TransportKind};
 use crate::envelope::{self, Envelope};
 use crate::lanes::{Pipeline, RunnerReport, SettleObserver, SlotRunner, SlotSettings};
@@ -70,11 +72,14 @@ pub struct NodeOptions {
 pub struct Node {
     pipeline: Arc<Pipeline>,
     stop: watch::Sender<bool>,
-    runners: JoinSet<anyhow::Result<RunnerReport>>,
+    /// The slots this node runs now.
+    slots: Arc<SlotSet>,
+    /// The coordinator loop (`postgres` mode): it drains the slots and
+    /// leaves the cluster when `stop` turns true.
+    coordinator: Option<JoinHandle<anyhow::Result<()>>>,
     /// Ingress forwarders, one per topology (not part of the slot reports).
     forwarders: JoinSet<anyhow::Result<RunnerReport>>,
     topologies: HashMap<String, u32>,
-    owned: Vec<(String, u32)>,
 }
 
 /// Read a handler's component: a file, or `bundled:NAME`.
@@ -265,10 +270,11 @@ impl Node {
         });
 
         let (stop, stop_rx) = watch::channel(false);
-        let mut runners = JoinSet::new();
         let mut forwarders = JoinSet::new();
         let mut topologies = HashMap::new();
+        let mut templates = HashMap::new();
         let mut owned = Vec::new();
+        let mut all_slots = Vec::new();
         for (ti, t) in config.topology.iter().enumerate() {
             check_schedule_with_broker(config, ti, transport.as_ref()).await?;
             transport
@@ -294,27 +300,26 @@ impl Node {
                 // single active consumer, so the broker picks one node per
                 // slot and activates another when that one goes away.
                 ClusterMode::RabbitmqSac => (0..t.slots).collect(),
-                ClusterMode::Postgres => bail!(
-                    "{}: cluster.mode = \"postgres\" needs the PostgreSQL coordinator, which this build does not have yet; accepted: \"solo\", \"static\", \"rabbitmq-sac\"",
-                    config.origin,
-                ),
+                // The coordinator starts slots as it is assigned them.
+                ClusterMode::Postgres => Vec::new(),
             };
             let schedule = t.schedule(config.transport.kind, None);
-            for slot in slots {
-                let settings = SlotSettings {
+            templates.insert(
+                t.name.clone(),
+                SlotSettings {
                     topology: Arc::from(t.name.as_str()),
-                    slot,
+                    slot: 0,
                     slots: t.slots,
                     max_concurrent_groups: t.max_concurrent_groups as usize,
                     max_unordered: t.max_unordered as usize,
                     prefetch: config.transport.prefetch,
                     max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
-                    schedule: schedule.clone(),
+                    schedule,
                     bypass_lanes: opts.bypass_lanes,
-                };
-                owned.push((t.name.clone(), slot));
-                runners.spawn(supervise_slot(pipeline.clone(), settings, stop_rx.clone()));
-            }
+                },
+            );
+            owned.extend(slots.into_iter().map(|slot| (t.name.clone(), slot)));
+            all_slots.extend((0..t.slots).map(|slot| (t.name.clone(), slot)));
             // Every node forwards the ingress: the queue has a single active
             // consumer, so one forwarder runs at a time (in order) and
             // another takes over when it goes away.
@@ -326,14 +331,28 @@ impl Node {
                 stop_rx.clone(),
             ));
         }
-        tracing::info!(node = %config.node.name, slots = owned.len(), transport = transport.system(), "node started");
+        let slots = Arc::new(SlotSet::new(pipeline.clone(), templates));
+        for key in &owned {
+            slots.start(key);
+        }
+        let coordinator = if config.cluster.mode == ClusterMode::Postgres {
+            let url = config.cluster.database_url.as_deref().unwrap_or_default();
+            let pool = crate::cluster::postgres::connect(url)
+                .await
+                .with_context(|| format!("{}: cluster.mode = \"postgres\"", config.origin))?;
+            let c = Coordinator::new(pool, &config.node.name, config.cluster.lease, all_slots, slots.clone());
+            Some(tokio::spawn(crate::cluster::postgres::run(c, stop_rx.clone())))
+        } else {
+            None
+        };
+        tracing::info!(node = %config.node.name, slots = owned.len(), mode = ?config.cluster.mode, transport = transport.system(), "node started");
         Ok(Self {
             pipeline,
             stop,
-            runners,
+            slots,
+            coordinator,
             forwarders,
             topologies,
-            owned,
         })
     }
 
@@ -348,9 +367,9 @@ impl Node {
         self.pipeline.transport.ack_floor()
     }
 
-    /// The (topology, slot) pairs this node consumes.
-    pub fn owned_slots(&self) -> &[(String, u32)] {
-        &self.owned
+    /// The (topology, slot) pairs this node consumes now.
+    pub fn owned_slots(&self) -> Vec<(String, u32)> {
+        self.slots.running()
     }
 
     /// Publish a message through the broker to the slot of its group.
@@ -363,10 +382,15 @@ impl Node {
     /// flight, and stop consuming. Returns what each runner did.
     pub async fn shutdown(mut self) -> anyhow::Result<Vec<RunnerReport>> {
         let _ = self.stop.send(true);
-        let mut reports = Vec::new();
-        while let Some(r) = self.runners.join_next().await {
-            reports.push(r.context("a slot runner panicked")??);
+        // The coordinator drains its slots before it gives them up.
+        if let Some(c) = self.coordinator.take() {
+            match c.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %format!("{e:#}"), "the coordinator stopped with an error"),
+                Err(e) => tracing::error!(error = %e, "the coordinator panicked"),
+            }
         }
+        let reports = self.slots.drain_all().await;
         while let Some(r) = self.forwarders.join_next().await {
             let report = r.context("an ingress forwarder panicked")??;
             tracing::debug!(
@@ -416,17 +440,20 @@ fn merge(total: &mut RunnerReport, r: RunnerReport) {
 /// Run a slot until the node stops. A runner whose subscription ends without
 /// a stop (connection lost, consumer cancelled) has drained already; it is
 /// started again after a backoff, which reconnects and re-declares.
-async fn supervise_slot(
+pub(crate) async fn supervise_slot(
     p: Arc<Pipeline>,
     settings: SlotSettings,
     mut stop: watch::Receiver<bool>,
+    cancel: CancelCell,
 ) -> anyhow::Result<RunnerReport> {
     let mut total = RunnerReport::default();
     let mut backoff = BACKOFF_MIN;
     let system = p.transport.system();
     loop {
         let started = Instant::now();
-        let result = SlotRunner::new(p.clone(), settings.clone()).run(stop.clone()).await;
+        let runner = SlotRunner::new(p.clone(), settings.clone());
+        *cancel.lock() = runner.cancel_handle();
+        let result = runner.run(stop.clone()).await;
         let error = match result {
             Ok(r) => {
                 merge(&mut total, r);
