@@ -103,13 +103,14 @@ fn a_file_that_is_not_a_component_is_refused_at_start() {
 }
 
 #[test]
-fn unsupported_modes_are_refused_with_the_key() {
+fn an_unreachable_coordinator_database_stops_the_start_with_the_key() {
     let f = write_config(&format!(
-        "[cluster]\nmode = \"postgres\"\ndatabase_url = \"postgres://postgres@127.0.0.1/weir\"\n{GOOD}"
+        "[cluster]\nmode = \"postgres\"\ndatabase_url = \"postgres://postgres:secret@127.0.0.1:1/weir\"\n{GOOD}"
     ));
     let (code, _, err) = weir(&["run", "--config", f.path().to_str().unwrap()]);
     assert_eq!(code, 1);
-    assert!(err.contains("cluster.mode"), "{err}");
+    assert!(err.contains("cluster.database_url"), "{err}");
+    assert!(!err.contains("secret"), "the password must not be printed: {err}");
 }
 
 #[test]

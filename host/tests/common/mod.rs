@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod compliance;
+pub mod pg;
 pub mod rabbit;
 
 use std::path::PathBuf;

@@ -1,0 +1,411 @@
+//! `cluster.mode = "postgres"` with separate `weir run` processes, the real
+//! PostgreSQL (a database per test) and RabbitMQ (a topology per test). Every
+//! node writes a journal (`weir::journal`); the journals are checked
+//! together for intra-group overlap and completeness.
+//!
+//! - `scale_out_and_in_under_load`: 1 → 3 → 2 nodes while messages flow;
+//!   balanced at each step; nothing lost, no overlap.
+//! - `failover_after_kill_9_of_a_follower_then_of_the_leader`: the slots of
+//!   a killed node land on exactly one survivor each; then the same for
+//!   the leader. Prints the failover time (kill → first call of the new owner).
+//! - `live_handoff_waits_for_running_calls` and its red baseline
+//!   `handoff_without_drain_overlaps`: a slot moves while calls of 4 s run
+//!   on it, and more messages of the same groups follow. The slot queues are declared without single active consumer in
+//!   both, so only the drain keeps the groups apart.
+//! - `losing_the_database_fences_before_the_lease_expires`: the node's
+//!   database connection goes through a proxy the test cuts; the node stops
+//!   every call before its lease can expire, and rejoins when it is back.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use common::cluster::Cluster;
+use common::pg::{Proxy, TestDb};
+use common::rabbit::{Topo, url};
+use weir::envelope::{self, Envelope};
+use weir::journal::{self, Report};
+use weir::partition;
+use weir::transport::Transport as _;
+use weir::transport::rabbitmq::{self, RabbitMq};
+
+const SLOTS: u32 = 6;
+const LEASE: Duration = Duration::from_secs(2);
+const NO_SAC: (&str, &str) = (rabbitmq::NEGATIVE_CONTROL_NO_SAC, "1");
+
+fn config(topo: &Topo, db_url: &str, node: &str) -> String {
+    format!(
+        r#"
+[node]
+name = "{node}"
+[transport]
+kind = "rabbitmq"
+url = "{url}"
+prefetch = 16
+[cluster]
+mode = "postgres"
+database_url = "{db_url}"
+lease = "{lease}ms"
+[[topology]]
+name = "{topo}"
+slots = {SLOTS}
+max_concurrent_groups = 16
+[[handler]]
+name = "faulty"
+component = "{component}"
+topology = "{topo}"
+message_types = ["ok", "slow"]
+"#,
+        url = url(),
+        topo = topo.name,
+        lease = LEASE.as_millis(),
+        component = weir::node::bundled::FAULTY_PATH,
+    )
+}
+
+fn slow(group: &str, ms: u32) -> Envelope {
+    common::message("slow", Some(group), ms.to_string().as_bytes())
+}
+
+fn publish_all(topo: &Topo, msgs: &[Envelope]) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let t = RabbitMq::new(url(), "weir postgres-test publisher");
+        for m in msgs {
+            weir::node::publish(&t, &topo.name, SLOTS, m).await.unwrap();
+        }
+        t.close().await;
+    });
+}
+
+/// Publish `msgs` evenly over `over` on a thread.
+fn stream(topo: &Topo, msgs: Vec<Envelope>, over: Duration) -> std::thread::JoinHandle<()> {
+    let name = topo.name.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let t = RabbitMq::new(url(), "weir postgres-test publisher");
+            let gap = over / u32::try_from(msgs.len().max(1)).unwrap();
+            for m in &msgs {
+                let slot = partition::slot_for(m.group(), &m.id, SLOTS);
+                t.publish(&name, slot, envelope::encode(m)).await.unwrap();
+                tokio::time::sleep(gap).await;
+            }
+            t.close().await;
+        });
+    })
+}
+
+/// Slot owners by node name, from the database (assigned slots only).
+fn owners(db: &TestDb) -> HashMap<u32, String> {
+    db.query(
+        "SELECT s.slot::text, n.name FROM weir_slots s JOIN weir_nodes n ON n.node_id = s.owner \
+         WHERE s.state = 'assigned' AND n.lease_until > now()",
+    )
+    .into_iter()
+    .map(|r| (r[0].as_ref().unwrap().parse().unwrap(), r[1].clone().unwrap()))
+    .collect()
+}
+
+fn leader(db: &TestDb) -> Option<String> {
+    db.query("SELECT n.name FROM weir_leader l JOIN weir_nodes n ON n.node_id = l.node_id WHERE l.lease_until > now()")
+        .into_iter()
+        .next()
+        .and_then(|r| r[0].clone())
+}
+
+/// Wait until every slot is assigned, only to `nodes`, balanced within one.
+fn wait_balanced(db: &TestDb, cluster: &Cluster, nodes: &[&str], timeout: Duration) -> HashMap<u32, String> {
+    let start = Instant::now();
+    loop {
+        let o = owners(db);
+        let mut count: HashMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+        let mut only_ours = true;
+        for owner in o.values() {
+            match count.get_mut(owner.as_str()) {
+                Some(c) => *c += 1,
+                None => only_ours = false,
+            }
+        }
+        let (min, max) = (count.values().min().copied(), count.values().max().copied());
+        if o.len() == SLOTS as usize && only_ours && max.zip(min).is_some_and(|(a, b)| a - b <= 1) {
+            return o;
+        }
+        if start.elapsed() > timeout {
+            let logs: Vec<String> = cluster
+                .nodes
+                .iter()
+                .map(|n| format!("--- {}:\n{}", n.name, n.log()))
+                .collect();
+            panic!(
+                "not balanced over {nodes:?} after {timeout:?}: {o:?}\n{}",
+                logs.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn ids(msgs: &[Envelope]) -> Vec<String> {
+    msgs.iter().map(|m| m.id.clone()).collect()
+}
+
+fn handled_by(report: &Report, node: &str) -> usize {
+    report
+        .settled
+        .values()
+        .filter(|(n, o)| n == node && o == "handled")
+        .count()
+}
+
+fn wait_handled_by(cluster: &Cluster, node: &str, n: usize) {
+    let start = Instant::now();
+    while handled_by(&cluster.report(), node) < n {
+        assert!(start.elapsed() < Duration::from_secs(60), "{node} never handled {n}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn no_overlap(r: &Report) {
+    assert!(
+        r.overlaps.is_empty(),
+        "{} overlaps, first: {:?}",
+        r.overlaps.len(),
+        r.overlaps.first()
+    );
+}
+
+#[test]
+fn scale_out_and_in_under_load() {
+    let db = TestDb::new();
+    let topo = Topo::new(SLOTS, &[]);
+    let mut cluster = Cluster::default();
+    let names = ["node-0", "node-1", "node-2"];
+    cluster.start(names[0], &config(&topo, &db.url(), names[0]));
+    wait_balanced(&db, &cluster, &names[..1], Duration::from_secs(20));
+
+    let msgs: Vec<Envelope> = (0..1200).map(|i| slow(&format!("g{}", i % 40), 2)).collect();
+    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(8));
+    cluster.start(names[1], &config(&topo, &db.url(), names[1]));
+    wait_balanced(&db, &cluster, &names[..2], Duration::from_secs(20));
+    cluster.start(names[2], &config(&topo, &db.url(), names[2]));
+    wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
+    cluster.nodes[1].terminate(Duration::from_secs(30));
+    wait_balanced(&db, &cluster, &[names[0], names[2]], Duration::from_secs(20));
+    publisher.join().unwrap();
+
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    no_overlap(&report);
+    for n in names {
+        assert!(handled_by(&report, n) > 0, "{n} did no work");
+    }
+    for i in [0, 2] {
+        cluster.nodes[i].terminate(Duration::from_secs(30));
+    }
+    // Leaving frees the slots: nothing is assigned to a stopped node.
+    assert!(owners(&db).is_empty(), "{:?}", owners(&db));
+}
+
+#[test]
+fn failover_after_kill_9_of_a_follower_then_of_the_leader() {
+    let db = TestDb::new();
+    let topo = Topo::new(SLOTS, &[]);
+    let mut cluster = Cluster::default();
+    let names = ["node-0", "node-1", "node-2"];
+    for n in names {
+        cluster.start(n, &config(&topo, &db.url(), n));
+    }
+    let before = wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
+    let lead = leader(&db).expect("a leader");
+    let follower = *names.iter().find(|n| **n != lead).unwrap();
+
+    let msgs: Vec<Envelope> = (0..3000).map(|i| slow(&format!("g{}", i % 60), 2)).collect();
+    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(10));
+    let mut failovers = Vec::new();
+    let mut alive: Vec<&str> = names.to_vec();
+    for victim in [follower, lead.as_str()] {
+        wait_handled_by(&cluster, victim, 50);
+        let owned: HashSet<u32> = owners(&db)
+            .into_iter()
+            .filter(|(_, n)| n == victim)
+            .map(|(s, _)| s)
+            .collect();
+        let i = names.iter().position(|n| *n == victim).unwrap();
+        let killed_at = journal::monotonic_ns();
+        cluster.nodes[i].kill();
+        alive.retain(|n| *n != victim);
+        let after = wait_balanced(&db, &cluster, &alive, LEASE * 5);
+        // Each of the victim's slots has exactly one owner, a survivor.
+        for s in &owned {
+            assert!(alive.contains(&after[s].as_str()), "slot {s} → {}", after[s]);
+        }
+        // Failover time: kill → first call of a new owner on one of the slots.
+        let start = Instant::now();
+        let first = loop {
+            let r = cluster.report();
+            let first = r
+                .calls
+                .iter()
+                .filter(|c| c.start > killed_at && c.node != victim)
+                .filter(|c| {
+                    c.group
+                        .as_deref()
+                        .is_some_and(|g| owned.contains(&partition::slot_for(Some(g), "", SLOTS)))
+                })
+                .map(|c| c.start)
+                .min();
+            if let Some(f) = first {
+                break f;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no survivor ran {victim}'s slots"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        failovers.push(Duration::from_nanos(first - killed_at));
+    }
+    publisher.join().unwrap();
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    no_overlap(&report);
+    eprintln!(
+        "failover (kill -9 → first call of the new owner), lease {LEASE:?}: follower {:?}, leader {:?}; owners before {before:?}",
+        failovers[0], failovers[1]
+    );
+    for f in &failovers {
+        assert!(*f <= LEASE * 3, "failover took {f:?}");
+    }
+    let last = names.iter().position(|n| alive.contains(n)).unwrap();
+    cluster.nodes[last].terminate(Duration::from_secs(30));
+}
+
+/// Groups whose slot is among `slots`, one per slot.
+fn groups_on(slots: &[u32]) -> Vec<String> {
+    let mut out = Vec::new();
+    for &want in slots {
+        let g = (0..)
+            .map(|i| format!("h{i}"))
+            .find(|g| partition::slot_for(Some(g), "", SLOTS) == want)
+            .unwrap();
+        out.push(g);
+    }
+    out
+}
+
+/// node-0 alone owns every slot and runs calls of 4 s on groups of slots
+/// 3, 4, 5 — the slots it gives up when node-1 joins (the assignment keeps
+/// a node's lowest slots). Once node-1 consumes those slots, more messages
+/// of the same groups arrive; with the drain they can only start after
+/// node-0's calls ended. Returns the journals' report.
+fn handoff(no_drain: bool) -> Report {
+    let db = TestDb::new();
+    let topo = Topo::new(SLOTS, &[]);
+    let mut cluster = Cluster::default();
+    let mut env0 = vec![NO_SAC];
+    if no_drain {
+        env0.push((weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN, "1"));
+    }
+    cluster.start_with_env("node-0", &config(&topo, &db.url(), "node-0"), &env0);
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    let groups = groups_on(&[3, 4, 5]);
+    let first: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
+    publish_all(&topo, &first);
+    std::thread::sleep(Duration::from_millis(200));
+    cluster.start_with_env("node-1", &config(&topo, &db.url(), "node-1"), &[NO_SAC]);
+    let moved = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    for s in [3, 4, 5] {
+        assert_eq!(moved[&s], "node-1", "slot {s} moved to the new node: {moved:?}");
+    }
+    let start = Instant::now();
+    while cluster.nodes[1]
+        .log()
+        .matches("slot assigned to this node; consuming")
+        .count()
+        < 3
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "node-1 never consumed its slots"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let second: Vec<Envelope> = (0..4).flat_map(|_| groups.iter().map(|g| slow(g, 100))).collect();
+    publish_all(&topo, &second);
+    let all: Vec<Envelope> = first.into_iter().chain(second).collect();
+    let report = cluster.wait_handled(&ids(&all), Duration::from_secs(120));
+    assert!(handled_by(&report, "node-1") > 0, "node-1 took over work");
+    for n in &mut cluster.nodes {
+        n.terminate(Duration::from_secs(30));
+    }
+    report
+}
+
+#[test]
+fn live_handoff_waits_for_running_calls() {
+    no_overlap(&handoff(false));
+}
+
+#[test]
+fn handoff_without_drain_overlaps() {
+    let report = handoff(true);
+    assert!(
+        !report.overlaps.is_empty(),
+        "a slot given up before its calls finished must let the next owner overlap them; the ledger saw none"
+    );
+}
+
+#[test]
+fn losing_the_database_fences_before_the_lease_expires() {
+    let db = TestDb::new();
+    let proxy = Proxy::start();
+    let topo = Topo::new(SLOTS, &[]);
+    let mut cluster = Cluster::default();
+    cluster.start("node-0", &config(&topo, &db.url_via(&proxy), "node-0"));
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    let msgs: Vec<Envelope> = (0..400).map(|i| slow(&format!("g{}", i % 12), 40)).collect();
+    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(4));
+    wait_handled_by(&cluster, "node-0", 10);
+
+    let cut_at = journal::monotonic_ns();
+    proxy.cut();
+    let start = Instant::now();
+    while !cluster.nodes[0].log().contains("fenced: consuming nothing") {
+        assert!(
+            start.elapsed() < LEASE * 3,
+            "never fenced; log:\n{}",
+            cluster.nodes[0].log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Every call ended before the lease could expire: the last renewal was
+    // sent before the cut, so the lease runs at least until cut + lease −
+    // one tick (and the renewal's round trip, bounded here by another tick).
+    let deadline = cut_at + u64::try_from((LEASE - 2 * weir::cluster::postgres::TICK).as_nanos()).unwrap();
+    std::thread::sleep(LEASE);
+    let report = cluster.report();
+    let last_end = report.calls.iter().map(|c| c.end).max().unwrap();
+    assert!(
+        last_end < deadline,
+        "a call ended {:?} after the cut, past the lease bound {:?}",
+        Duration::from_nanos(last_end - cut_at),
+        Duration::from_nanos(deadline - cut_at)
+    );
+    assert!(
+        report.calls.iter().any(|c| c.end > cut_at),
+        "calls were running at the cut"
+    );
+
+    proxy.restore();
+    publisher.join().unwrap();
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    no_overlap(&report);
+    assert!(
+        cluster.nodes[0].log().contains("registered again"),
+        "{}",
+        cluster.nodes[0].log()
+    );
+    cluster.nodes[0].terminate(Duration::from_secs(30));
+}
