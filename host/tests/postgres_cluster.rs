@@ -168,6 +168,30 @@ fn wait_handled_by(cluster: &Cluster, node: &str, n: usize) {
     }
 }
 
+/// Per slot, the gaps where consecutive calls ran on different nodes, sorted.
+fn handoff_pauses(r: &Report) -> Vec<Duration> {
+    let mut by_slot: HashMap<u32, Vec<&journal::Call>> = HashMap::new();
+    for c in &r.calls {
+        if let Some(g) = &c.group {
+            by_slot
+                .entry(partition::slot_for(Some(g), "", SLOTS))
+                .or_default()
+                .push(c);
+        }
+    }
+    let mut pauses = Vec::new();
+    for calls in by_slot.values_mut() {
+        calls.sort_by_key(|c| c.start);
+        for w in calls.windows(2) {
+            if w[0].node != w[1].node {
+                pauses.push(Duration::from_nanos(w[1].start.saturating_sub(w[0].end)));
+            }
+        }
+    }
+    pauses.sort();
+    pauses
+}
+
 fn no_overlap(r: &Report) {
     assert!(
         r.overlaps.is_empty(),
@@ -201,6 +225,14 @@ fn scale_out_and_in_under_load() {
     for n in names {
         assert!(handled_by(&report, n) > 0, "{n} did no work");
     }
+    let pauses = handoff_pauses(&report);
+    assert!(!pauses.is_empty(), "slots moved between nodes");
+    eprintln!(
+        "live handoff pause (last call of the old owner → first call of the new one, per moved slot; messages arrive every ~40 ms per slot): median {:?}, max {:?}, {} moves",
+        pauses[pauses.len() / 2],
+        pauses[pauses.len() - 1],
+        pauses.len()
+    );
     for i in [0, 2] {
         cluster.nodes[i].terminate(Duration::from_secs(30));
     }

@@ -21,8 +21,9 @@
 //!    that should move to release them (`releasing`).
 //! 4. **Reconcile** its own slots: start the assigned ones; drain the
 //!    `releasing` ones (stop taking messages, return unstarted ones, wait
-//!    for every running call, stop consuming) and only then set them free,
-//!    epoch-checked. The leader assigns a freed slot at its next tick.
+//!    for every running call, stop consuming) and only then hand them,
+//!    epoch-checked, to the target the leader chose (epoch + 1), or set them
+//!    free when that node is gone (the leader assigns it at its next tick).
 //!
 //! All lease arithmetic is on the database clock; the node's own fencing
 //! deadline is on its monotonic clock, measured conservatively.
@@ -314,11 +315,19 @@ impl Coordinator {
             .collect())
     }
 
-    /// Give a slot up: only if this node still owns it at `epoch`.
+    /// Give a drained slot up, only if this node still owns it at `epoch`:
+    /// straight to the target the leader chose (epoch + 1) when that node's
+    /// lease is live, which saves the handoff a leader tick; else free.
     async fn release(pool: &PgPool, id: Uuid, key: &SlotKey, epoch: i64) -> anyhow::Result<bool> {
         let r = sqlx::query(
-            "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() \
-             WHERE topology = $1 AND slot = $2 AND owner = $3 AND epoch = $4",
+            "UPDATE weir_slots s SET \
+                 owner = CASE WHEN t.live THEN s.target END, \
+                 epoch = s.epoch + CASE WHEN t.live THEN 1 ELSE 0 END, \
+                 state = CASE WHEN t.live THEN 'assigned' ELSE 'free' END, \
+                 target = NULL, changed_at = now() \
+             FROM (SELECT EXISTS (SELECT 1 FROM weir_slots x JOIN weir_nodes n ON n.node_id = x.target \
+                                  WHERE x.topology = $1 AND x.slot = $2 AND n.lease_until > now()) AS live) t \
+             WHERE s.topology = $1 AND s.slot = $2 AND s.owner = $3 AND s.epoch = $4",
         )
         .bind(&key.0)
         .bind(i32::try_from(key.1).unwrap_or(i32::MAX))
