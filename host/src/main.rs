@@ -210,7 +210,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let url = cfg.cluster.database_url.clone().unwrap_or_default();
             let status = runtime()?.block_on(async {
                 let pool = postgres::connect(&url).await?;
-                postgres::status(&pool).await
+                let mut status = postgres::status(&pool).await?;
+                // Lag per slot from the broker; a broker that cannot answer leaves it unknown.
+                let transport = node::transport_for(&cfg)?;
+                for s in &mut status.slots {
+                    match transport.backlog(&s.topology, s.slot).await {
+                        Ok(lag) => s.lag = lag,
+                        Err(e) => {
+                            tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "cannot read the slot's backlog");
+                            break;
+                        }
+                    }
+                }
+                anyhow::Ok(status)
             })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);

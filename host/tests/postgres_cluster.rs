@@ -201,6 +201,48 @@ fn no_overlap(r: &Report) {
     );
 }
 
+/// `weir status` (table and JSON) shows the nodes, the leader, every slot
+/// with its owner and epoch, and the broker's lag per slot.
+fn status_shows(topo: &Topo, db: &TestDb, owners: &HashMap<u32, String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("status.toml");
+    std::fs::write(&path, config(topo, &db.url(), "status")).unwrap();
+    let run = |json: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_weir"));
+        cmd.args(["status", "--config"]).arg(&path);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = run(false);
+    for n in ["node-0", "node-1", "node-2", "leader"] {
+        assert!(table.contains(n), "{table}");
+    }
+    let json: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    let slots = json["slots"].as_array().unwrap();
+    assert_eq!(slots.len(), SLOTS as usize, "{json}");
+    for s in slots {
+        let slot = u32::try_from(s["slot"].as_u64().unwrap()).unwrap();
+        if s["state"] == "assigned" {
+            assert_eq!(s["owner"].as_str(), Some(owners[&slot].as_str()), "{json}");
+        }
+        assert!(s["epoch"].as_i64().unwrap() >= 1, "{json}");
+        assert!(s["lag"].is_u64(), "lag read from the broker: {json}");
+    }
+    assert_eq!(
+        json["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| n["leader"] == true)
+            .count(),
+        1
+    );
+}
+
 #[test]
 fn scale_out_and_in_under_load() {
     let db = TestDb::new();
@@ -215,7 +257,8 @@ fn scale_out_and_in_under_load() {
     cluster.start(names[1], &config(&topo, &db.url(), names[1]));
     wait_balanced(&db, &cluster, &names[..2], Duration::from_secs(20));
     cluster.start(names[2], &config(&topo, &db.url(), names[2]));
-    wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
+    let balanced = wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
+    status_shows(&topo, &db, &balanced);
     cluster.nodes[1].terminate(Duration::from_secs(30));
     wait_balanced(&db, &cluster, &[names[0], names[2]], Duration::from_secs(20));
     publisher.join().unwrap();

@@ -543,6 +543,8 @@ pub struct SlotStatus {
     pub epoch: i64,
     /// `free`, `assigned` or `releasing`.
     pub state: String,
+    /// Messages waiting on the broker for this slot (`None`: unknown).
+    pub lag: Option<u64>,
 }
 
 /// The registry as `weir status` and `GET /v1/slots` show it.
@@ -588,6 +590,7 @@ pub async fn status(pool: &PgPool) -> anyhow::Result<Status> {
         owner: r.get(2),
         epoch: r.get(3),
         state: r.get(4),
+        lag: None,
     })
     .collect();
     Ok(Status { nodes, slots })
@@ -610,18 +613,19 @@ impl std::fmt::Display for Status {
         writeln!(f, "slots ({}):", self.slots.len())?;
         writeln!(
             f,
-            "  {:<20} {:>5}  {:<24} {:>6}  state",
-            "topology", "slot", "owner", "epoch"
+            "  {:<20} {:>5}  {:<24} {:>6}  {:<9} {:>8}",
+            "topology", "slot", "owner", "epoch", "state", "lag"
         )?;
         for s in &self.slots {
             writeln!(
                 f,
-                "  {:<20} {:>5}  {:<24} {:>6}  {}",
+                "  {:<20} {:>5}  {:<24} {:>6}  {:<9} {:>8}",
                 s.topology,
                 s.slot,
                 s.owner.as_deref().unwrap_or("-"),
                 s.epoch,
-                s.state
+                s.state,
+                s.lag.map_or_else(|| "?".to_owned(), |l| l.to_string())
             )?;
         }
         Ok(())

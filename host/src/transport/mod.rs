@@ -227,6 +227,13 @@ pub trait Transport: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Messages of `slot` waiting to be delivered (RabbitMQ: ready messages
+    /// of the slot queue; JetStream: the slot consumer's pending count).
+    /// `None`: this broker cannot say. Read-only; for `weir status`.
+    async fn backlog(&self, _topology: &str, _slot: u32) -> Result<Option<u64>, TransportError> {
+        Ok(None)
+    }
+
     /// The ack floor of every slot consumer this transport watches
     /// (JetStream); empty for brokers without one. Observe only.
     fn ack_floor(&self) -> Vec<crate::floor::FloorState> {

@@ -696,6 +696,23 @@ impl Transport for Nats {
         }))
     }
 
+    async fn backlog(&self, topology: &str, slot: u32) -> Result<Option<u64>, TransportError> {
+        let conn = self.conn().await?;
+        let (stream, consumer) = (names::stream(topology), names::slot_consumer(topology, slot));
+        match conn
+            .js
+            .get_consumer_from_stream::<pull::Config, _, _>(&consumer, &stream)
+            .await
+        {
+            Ok(c) => Ok(Some(c.cached_info().num_pending)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(TransportError::new(
+                ErrorKind::Connection,
+                format!("reading consumer {consumer} of stream {stream}: {e}"),
+            )),
+        }
+    }
+
     fn ack_floor(&self) -> Vec<FloorState> {
         self.inner.floor.snapshot()
     }

@@ -608,6 +608,31 @@ impl Transport for RabbitMq {
         self.confirmed("", &queue, &wire, &format!("dead-letter queue {queue}"))
             .await
     }
+
+    async fn backlog(&self, topology: &str, slot: u32) -> Result<Option<u64>, TransportError> {
+        let conn = self.conn().await?;
+        let queue = names::slot_queue(topology, slot);
+        // A passive declare on a channel of its own: a missing queue closes
+        // the channel it was asked on.
+        let ch = conn
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| lapin_err(format!("opening a channel to inspect {queue}"), &e))?;
+        let opts = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let depth = match ch
+            .queue_declare(queue.as_str().into(), opts, FieldTable::default())
+            .await
+        {
+            Ok(q) => Some(u64::from(q.message_count())),
+            Err(_) => None,
+        };
+        let _ = ch.close(200, "inspected".into()).await;
+        Ok(depth)
+    }
 }
 
 struct RabbitSubscription {
