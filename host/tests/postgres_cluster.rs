@@ -296,8 +296,10 @@ fn failover_after_kill_9_of_a_follower_then_of_the_leader() {
     let lead = leader(&db).expect("a leader");
     let follower = *names.iter().find(|n| **n != lead).unwrap();
 
-    let msgs: Vec<Envelope> = (0..3000).map(|i| slow(&format!("g{}", i % 60), 2)).collect();
-    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(10));
+    // Published faster than the cluster handles them (4 ms of CPU each on 2
+    // cores), so a backlog of a thousand and more waits at each kill.
+    let msgs: Vec<Envelope> = (0..3000).map(|i| slow(&format!("g{}", i % 60), 4)).collect();
+    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(3));
     let mut failovers = Vec::new();
     let mut alive: Vec<&str> = names.to_vec();
     for victim in [follower, lead.as_str()] {

@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use futures::FutureExt as _;
 use sqlx::Row as _;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use tokio::sync::watch;
@@ -149,6 +150,7 @@ impl Coordinator {
         .execute(&self.pool)
         .await
         .context("registering this node in weir_nodes")?;
+        notify(&self.pool).await?;
         Ok(id)
     }
 
@@ -258,6 +260,7 @@ impl Coordinator {
         // left alone: that owner may still be fencing itself.
         let current: Vec<Option<Uuid>> = rows.iter().map(|r| r.owner.filter(|o| live_set.contains(o))).collect();
         let desired = assign::assign(&live, &current);
+        let mut changed = false;
         for (row, want) in rows.iter().zip(desired) {
             let pinned = row
                 .owner
@@ -276,6 +279,7 @@ impl Coordinator {
                     .bind(node)
                     .execute(&mut *tx)
                     .await?;
+                    changed = true;
                     tracing::info!(topology = %row.topology, slot = row.slot, owner = %node, "leader: slot assigned");
                 }
                 (Some(_), Some(node)) if row.state == "assigned" || row.target != Some(node) => {
@@ -287,10 +291,14 @@ impl Coordinator {
                     .bind(node)
                     .execute(&mut *tx)
                     .await?;
+                    changed = true;
                     tracing::info!(topology = %row.topology, slot = row.slot, from = ?row.owner, to = %node, "leader: asked the owner to release the slot");
                 }
                 _ => {}
             }
+        }
+        if changed || !expired.is_empty() {
+            notify(&mut *tx).await?;
         }
         tx.commit().await.context("leader: commit")?;
         Ok(())
@@ -336,6 +344,9 @@ impl Coordinator {
         .execute(pool)
         .await
         .with_context(|| format!("releasing slot {} of `{}`", key.1, key.0))?;
+        if r.rows_affected() == 1 {
+            notify(pool).await?;
+        }
         Ok(r.rows_affected() == 1)
     }
 
@@ -403,6 +414,7 @@ impl Coordinator {
                 .bind(id)
                 .execute(&self.pool)
                 .await?;
+            notify(&self.pool).await?;
             anyhow::Ok(())
         }
         .await;
@@ -427,9 +439,12 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
     };
     tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
     let fence_after = c.lease.saturating_sub(fence_margin(c.lease));
+    let mut listener = Wakeups::default();
     loop {
+        listener.ensure(&c).await;
         tokio::select! {
             _ = tokio::time::sleep(TICK) => {}
+            () = listener.next() => {}
             changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
         }
         let sent = Instant::now();
@@ -494,6 +509,61 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
     c.slots.drain_all().await;
     c.leave(st.node_id).await;
     Ok(())
+}
+
+/// Channel of the change notifications (`NOTIFY weir_slots`).
+const CHANNEL: &str = "weir_slots";
+
+/// Wake every node's loop: slots changed (sent at commit).
+async fn notify<'e>(db: impl sqlx::PgExecutor<'e>) -> anyhow::Result<()> {
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(CHANNEL)
+        .execute(db)
+        .await
+        .context("notifying the cluster")?;
+    Ok(())
+}
+
+/// `LISTEN weir_slots`, so a node acts on a change at once instead of at its
+/// next tick (the handoff pause is two such waits). Best effort: without a
+/// listener the loop still runs every tick, and it tries to listen again at
+/// most once a second.
+#[derive(Default)]
+struct Wakeups {
+    listener: Option<sqlx::postgres::PgListener>,
+    tried: Option<Instant>,
+}
+
+impl Wakeups {
+    async fn ensure(&mut self, c: &Coordinator) {
+        if self.listener.is_some() || self.tried.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        self.tried = Some(Instant::now());
+        let connect = async {
+            let mut l = sqlx::postgres::PgListener::connect_with(&c.pool).await?;
+            l.listen(CHANNEL).await?;
+            anyhow::Ok(l)
+        };
+        match bounded(c.db_timeout(), connect).await {
+            Ok(l) => self.listener = Some(l),
+            Err(e) => tracing::debug!(error = %format!("{e:#}"), "cannot listen for cluster changes; ticking only"),
+        }
+    }
+
+    /// The next notification (drains any that queued up behind it); never
+    /// returns without a listener.
+    async fn next(&mut self) {
+        let Some(l) = self.listener.as_mut() else {
+            return std::future::pending().await;
+        };
+        match l.try_recv().await {
+            Ok(Some(_)) => while let Some(Ok(Some(_))) = l.try_recv().now_or_never() {},
+            // Ok(None): the connection was lost (it reconnects on the next
+            // call); Err: drop it and listen again later.
+            Ok(None) | Err(_) => self.listener = None,
+        }
+    }
 }
 
 /// `f`, or an error once `limit` passed: a database that stops answering
