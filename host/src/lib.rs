@@ -2,6 +2,7 @@
 //! native host (`weir`): transports, slots, lanes, retries and the runtime
 //! that calls handlers compiled to WebAssembly components.
 
+pub mod admin;
 pub mod cluster;
 pub mod config;
 pub mod demo;

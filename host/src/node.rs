@@ -4,12 +4,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::admin::{self, AdminState};
 use crate::cluster::postgres::Coordinator;
 use crate::cluster::slots::{CancelCell, SlotSet};
 use crate::config::{self, ClusterMode, Config, TransportKind};
@@ -77,6 +79,10 @@ pub struct Node {
     /// The coordinator loop (`postgres` mode): it drains the slots and
     /// leaves the cluster when `stop` turns true.
     coordinator: Option<JoinHandle<anyhow::Result<()>>>,
+    /// The admin listener, when configured; stops with `stop`.
+    admin: Option<JoinHandle<()>>,
+    /// `GET /ready`.
+    ready: Arc<AtomicBool>,
     /// Ingress forwarders, one per topology (not part of the slot reports).
     forwarders: JoinSet<anyhow::Result<RunnerReport>>,
     topologies: HashMap<String, u32>,
@@ -335,15 +341,40 @@ impl Node {
         for key in &owned {
             slots.start(key);
         }
-        let coordinator = if config.cluster.mode == ClusterMode::Postgres {
+        let postgres = config.cluster.mode == ClusterMode::Postgres;
+        let ready = Arc::new(AtomicBool::new(!postgres));
+        let mut pool = None;
+        let coordinator = if postgres {
             let url = config.cluster.database_url.as_deref().unwrap_or_default();
-            let pool = crate::cluster::postgres::connect(url)
+            let p = crate::cluster::postgres::connect(url)
                 .await
                 .with_context(|| format!("{}: cluster.mode = \"postgres\"", config.origin))?;
-            let c = Coordinator::new(pool, &config.node.name, config.cluster.lease, all_slots, slots.clone());
+            pool = Some(p.clone());
+            let c = Coordinator::new(
+                p,
+                &config.node.name,
+                config.cluster.lease,
+                all_slots,
+                slots.clone(),
+                ready.clone(),
+            );
             Some(tokio::spawn(crate::cluster::postgres::run(c, stop_rx.clone())))
         } else {
             None
+        };
+        let admin = match config.node.admin {
+            Some(addr) => {
+                let state = Arc::new(AdminState {
+                    node: config.node.name.clone(),
+                    stats: pipeline.stats.clone(),
+                    slots: slots.clone(),
+                    transport: transport.clone(),
+                    coordinator: pool,
+                    ready: ready.clone(),
+                });
+                Some(admin::serve(addr, state, stop_rx.clone()).await?)
+            }
+            None => None,
         };
         tracing::info!(node = %config.node.name, slots = owned.len(), mode = ?config.cluster.mode, transport = transport.system(), "node started");
         Ok(Self {
@@ -351,6 +382,8 @@ impl Node {
             stop,
             slots,
             coordinator,
+            admin,
+            ready,
             forwarders,
             topologies,
         })
@@ -381,6 +414,7 @@ impl Node {
     /// Stop taking messages, return unstarted ones, wait for every call in
     /// flight, and stop consuming. Returns what each runner did.
     pub async fn shutdown(mut self) -> anyhow::Result<Vec<RunnerReport>> {
+        self.ready.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = self.stop.send(true);
         // The coordinator drains its slots before it gives them up.
         if let Some(c) = self.coordinator.take() {
@@ -391,6 +425,9 @@ impl Node {
             }
         }
         let reports = self.slots.drain_all().await;
+        if let Some(a) = self.admin.take() {
+            let _ = a.await;
+        }
         while let Some(r) = self.forwarders.join_next().await {
             let report = r.context("an ingress forwarder panicked")??;
             tracing::debug!(

@@ -100,6 +100,8 @@ pub struct Coordinator {
     all_slots: Vec<SlotKey>,
     slots: Arc<SlotSet>,
     no_drain: bool,
+    /// True while this node holds a live lease (for `GET /ready`).
+    ready: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The loop's state between ticks.
@@ -117,7 +119,14 @@ struct Tick {
 
 impl Coordinator {
     /// A coordinator for this node over `pool`.
-    pub fn new(pool: PgPool, name: &str, lease: Duration, all_slots: Vec<SlotKey>, slots: Arc<SlotSet>) -> Self {
+    pub fn new(
+        pool: PgPool,
+        name: &str,
+        lease: Duration,
+        all_slots: Vec<SlotKey>,
+        slots: Arc<SlotSet>,
+        ready: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
         let no_drain = std::env::var(NEGATIVE_CONTROL_NO_DRAIN).is_ok_and(|v| v == "1");
         if no_drain {
             tracing::error!(
@@ -131,6 +140,7 @@ impl Coordinator {
             all_slots,
             slots,
             no_drain,
+            ready,
         }
     }
 
@@ -455,6 +465,7 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
                 }
                 st.renewed = Some(sent);
                 st.fenced = false;
+                c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
             }
             Ok(false) => {
                 // Expired: whatever we held may be someone else's now.
@@ -576,6 +587,7 @@ async fn bounded<T>(limit: Duration, f: impl std::future::Future<Output = anyhow
 }
 
 async fn fence_all(c: &Coordinator, st: &mut Tick) {
+    c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
     st.fenced = true;
     st.leader = false;
     for (_, h) in st.releasing.drain() {
