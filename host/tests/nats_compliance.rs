@@ -1,39 +1,37 @@
 //! The NATS JetStream transport against the real server (nats://127.0.0.1:4222
-//! with JetStream, override with WEIR_TEST_NATS_URL): the same assertions as
-//! the RabbitMQ suite (slot routing, ingress forwarding, lanes, dead-letter
-//! provenance), plus what only JetStream has: the server-timed ladder (and
+//! with JetStream, override with WEIR_TEST_NATS_URL) on the shared compliance
+//! harness (`common/compliance.rs`): the same assertions as the RabbitMQ
+//! suite (slot routing, ingress forwarding, lanes, dead-letter provenance),
+//! plus what only JetStream has: the server-timed ladder (and
 //! its negative control, a plain Nak that burns it), the capture reserve,
 //! the schedule facts the server enforces, the ack-floor monitor, and a
-//! server restart. Every test uses its own topology `t-<uuid8>` and deletes
+//! server restart. Clusters of separate nodes are in `nats_cluster.rs`.
+//! Every test uses its own topology `t-<uuid8>` and deletes
 //! its streams when it ends, also when it fails, so the tests run in parallel
 //! and repeatedly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
-use async_trait::async_trait;
 use futures::StreamExt as _;
-use parking_lot::Mutex;
-use weir::config::{self, ClusterMode, Config, RetrySection, TransportKind};
-use weir::envelope::{self, Envelope, Wire, header};
-use weir::ledger::Ledger;
-use weir::node::{Node, NodeOptions, bundled};
+use weir::config::TransportKind;
+use weir::envelope::{self, Envelope, header};
+use weir::node::{Node, NodeOptions};
 use weir::partition;
 use weir::retry::capture::Outcome;
-use weir::runtime::{CallObserver, RuntimeOptions};
+use weir::runtime::RuntimeOptions;
 use weir::transport::nats::{Nats, NatsOptions, names};
-use weir::transport::{Delivery, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+use weir::transport::{TopologySpec, Transport};
 
-fn url() -> String {
-    std::env::var("WEIR_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+use common::compliance::{self, Harness, Subject};
+use common::nats::{Topo, js_at, url};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -43,366 +41,31 @@ fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
-async fn js_at(url: &str) -> jetstream::Context {
-    jetstream::new(async_nats::connect(url).await.unwrap())
-}
-
-/// A topology name of this test; its streams are deleted on drop.
-struct Topo {
-    name: String,
-    url: String,
-}
-
-impl Topo {
-    fn new() -> Self {
-        Self::at(url())
-    }
-
-    fn at(url: String) -> Self {
-        Self {
-            name: format!("t-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
-            url,
-        }
+/// The harness's subject: a NATS transport with `options` on the server at `url`.
+fn subject(url: &str, name: &str, options: NatsOptions) -> Subject {
+    Subject {
+        transport: Arc::new(Nats::with_options(url, format!("weir node-{name}"), options)),
+        kind: TransportKind::Nats,
+        url: Some(url.to_owned()),
     }
 }
 
-impl Drop for Topo {
-    fn drop(&mut self) {
-        let streams = [names::stream(&self.name), names::dead_letter_stream(&self.name)];
-        let url = self.url.clone();
-        // Drop cannot await, and may run inside the test's runtime: clean up
-        // on a thread of its own.
-        let cleanup = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let Ok(Ok(client)) = tokio::time::timeout(secs(5), async_nats::connect(url.as_str())).await else {
-                    return;
-                };
-                let js = jetstream::new(client);
-                for s in streams {
-                    let _ = js.delete_stream(&s).await;
-                }
-            });
-        });
-        let _ = cleanup.join();
-    }
-}
-
-/// One delivery as the recording transport saw it.
-#[derive(Debug, Clone)]
-struct Seen {
-    id: String,
-    group: Option<String>,
-    source: String,
-}
-
-/// Wraps the real transport and notes every slot delivery's id, group and subject.
-struct Recording {
-    inner: Nats,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    subscriptions: Arc<AtomicU32>,
-    /// Slot subscriptions stop pulling after this many deliveries.
-    stall_after: Option<usize>,
-}
-
-struct RecordingSub {
-    inner: Box<dyn Subscription>,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    left: Option<usize>,
-}
-
-impl RecordingSub {
-    fn note(&mut self, d: &Option<Result<Delivery, TransportError>>) {
-        if let (Some(Ok(_)), Some(left)) = (d, self.left.as_mut()) {
-            *left = left.saturating_sub(1);
-        }
-        if let Some(Ok(d)) = d
-            && let Ok(env) = &d.message
-        {
-            self.seen.lock().push(Seen {
-                id: env.id.clone(),
-                group: env.group_id.clone(),
-                source: d.source.to_string(),
-            });
-        }
-    }
-}
-
-#[async_trait]
-impl Subscription for RecordingSub {
-    async fn next(&mut self) -> Option<Result<Delivery, TransportError>> {
-        if self.left == Some(0) {
-            // Stalled: never poll the pull stream again, so no new pull request is sent.
-            return futures::future::pending().await;
-        }
-        let d = self.inner.next().await;
-        self.note(&d);
-        d
-    }
-    fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
-        if self.left == Some(0) {
-            return None;
-        }
-        let d = self.inner.try_next();
-        self.note(&d);
-        d
-    }
-}
-
-#[async_trait]
-impl Transport for Recording {
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
-    fn retry_owner(&self) -> RetryOwner {
-        self.inner.retry_owner()
-    }
-    async fn declare(&self, t: &TopologySpec) -> Result<(), TransportError> {
-        self.inner.declare(t).await
-    }
-    async fn subscribe(&self, t: &str, slot: u32, prefetch: u32) -> Result<Box<dyn Subscription>, TransportError> {
-        let inner = self.inner.subscribe(t, slot, prefetch).await?;
-        self.subscriptions.fetch_add(1, Ordering::Relaxed);
-        Ok(Box::new(RecordingSub {
-            inner,
-            seen: self.seen.clone(),
-            left: self.stall_after,
-        }))
-    }
-    async fn subscribe_ingress(&self, t: &str, prefetch: u32) -> Result<Option<Box<dyn Subscription>>, TransportError> {
-        self.inner.subscribe_ingress(t, prefetch).await
-    }
-    async fn publish(&self, t: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
-        self.inner.publish(t, slot, wire).await
-    }
-    async fn publish_dead_letter(&self, t: &str, wire: Wire) -> Result<(), TransportError> {
-        self.inner.publish_dead_letter(t, wire).await
-    }
-    async fn retry_facts(&self, t: &str) -> Result<Option<weir::transport::RetryFacts>, TransportError> {
-        self.inner.retry_facts(t).await
-    }
-    fn ack_floor(&self) -> Vec<weir::floor::FloorState> {
-        self.inner.ack_floor()
-    }
-}
-
-/// Ledger plus a timestamped call log.
-#[derive(Default)]
-struct Observer {
-    ledger: Ledger,
-    calls: common::CallLog,
-}
-
-impl CallObserver for Observer {
-    fn before(&self, msg: &Envelope) {
-        self.ledger.before(msg);
-        self.calls.before(msg);
-    }
-    fn after(&self, msg: &Envelope) {
-        self.calls.after(msg);
-        self.ledger.after(msg);
-    }
-}
-
-/// Settlements go to the observer's ledger, and every outcome is kept in order.
-struct LedgerSettle(Arc<Observer>, Mutex<Vec<(String, Outcome)>>);
-
-impl weir::lanes::SettleObserver for LedgerSettle {
-    fn settled(&self, id: &str, outcome: Outcome) {
-        self.0.ledger.settled(id, outcome);
-        self.1.lock().push((id.to_owned(), outcome));
-    }
-}
-
-/// How a test's node is set up.
-#[derive(Clone)]
-struct Setup {
-    slots: u32,
-    ladder: Vec<Duration>,
-    max_deliver: i64,
-    options: NatsOptions,
-    mode: ClusterMode,
-    owned: Option<Vec<u32>>,
-    prefetch: u32,
-}
-
-impl Setup {
-    fn new(slots: u32, ladder: &[Duration], max_deliver: i64) -> Self {
-        Self {
-            slots,
-            ladder: ladder.to_vec(),
-            max_deliver,
-            options: NatsOptions::default(),
-            mode: ClusterMode::Solo,
-            owned: None,
-            prefetch: 64,
-        }
-    }
-}
-
-fn config(topo: &Topo, setup: &Setup, node_name: &str) -> Config {
-    let mut t = config::Topology::new(&topo.name, setup.slots);
-    t.max_concurrent_groups = 16;
-    t.max_unordered = 16;
-    t.retry = Some(RetrySection {
-        ladder: Some(setup.ladder.clone()),
-        max_deliver: Some(setup.max_deliver),
-        ..Default::default()
-    });
-    let types = ["slow", "ok", "reject", "retry", "publish"].map(String::from).to_vec();
-    let h = config::Handler::new("faulty", bundled::FAULTY_PATH, &topo.name, types);
-    Config {
-        node: config::Node {
-            name: node_name.into(),
-            admin: None,
-        },
-        transport: config::Transport {
-            kind: TransportKind::Nats,
-            url: Some(topo.url.clone()),
-            prefetch: setup.prefetch,
-        },
-        cluster: config::Cluster {
-            mode: setup.mode,
-            owned_slots: setup.owned.clone(),
-            ..config::Cluster::default()
-        },
-        topology: vec![t],
-        handler: vec![h],
-        origin: "<nats test>".into(),
-    }
-}
-
-/// Fields drop in order: the nodes (their tasks aborted) before the
-/// topology's streams are deleted.
-struct Harness {
-    nodes: Vec<Node>,
+/// A node on NATS for `topo`, whose streams are deleted when the harness drops.
+async fn start_on(
     topo: Topo,
-    obs: Arc<Observer>,
-    settles: Arc<LedgerSettle>,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    subscriptions: Arc<AtomicU32>,
-    /// Deliveries per node (by index), from each node's recording transport.
-    per_node: Vec<Arc<Mutex<Vec<Seen>>>>,
+    options: NatsOptions,
+    slots: u32,
+    ladder: &[Duration],
+    max_deliver: i64,
+) -> Harness<Topo> {
+    let name = topo.name.clone();
+    let subject = subject(&topo.url, &name, options);
+    Harness::start(subject, &name, slots, ladder, max_deliver, topo).await
 }
 
-impl Harness {
-    async fn start(setup: Setup) -> Self {
-        Self::start_on(Topo::new(), vec![setup]).await
-    }
-
-    async fn try_start(topo: &Topo, setup: &Setup) -> anyhow::Result<Node> {
-        let cfg = config(topo, setup, &format!("node-{}", topo.name));
-        let transport = Arc::new(Nats::with_options(&topo.url, "weir test", setup.options.clone()));
-        let opts = NodeOptions {
-            workers: 2,
-            runtime: common::cached(RuntimeOptions::default()),
-            ..NodeOptions::default()
-        };
-        Node::start(&cfg, transport, opts).await
-    }
-
-    /// One node per setup, sharing one ledger (a cluster in one process).
-    async fn start_on(topo: Topo, setups: Vec<Setup>) -> Self {
-        let obs = Arc::new(Observer::default());
-        let settles = Arc::new(LedgerSettle(obs.clone(), Mutex::new(Vec::new())));
-        let mut h = Self {
-            nodes: Vec::new(),
-            topo,
-            obs,
-            settles,
-            seen: Arc::new(Mutex::new(Vec::new())),
-            subscriptions: Arc::new(AtomicU32::new(0)),
-            per_node: Vec::new(),
-        };
-        for setup in &setups {
-            h.add_node(setup, None).await;
-        }
-        h
-    }
-
-    /// Start one more node on the harness's topology and ledger. With
-    /// `stall_after = Some(k)`, its slot subscriptions hand over `k`
-    /// deliveries and then stop pulling (a node busy with what it holds).
-    async fn add_node(&mut self, setup: &Setup, stall_after: Option<usize>) {
-        let i = self.nodes.len();
-        let node_name = format!("node-{i}-{}", self.topo.name);
-        let cfg = config(&self.topo, setup, &node_name);
-        let mine = Arc::new(Mutex::new(Vec::new()));
-        let transport = Arc::new(Recording {
-            inner: Nats::with_options(&self.topo.url, format!("weir {node_name}"), setup.options.clone()),
-            seen: mine.clone(),
-            subscriptions: self.subscriptions.clone(),
-            stall_after,
-        });
-        let opts = NodeOptions {
-            workers: 2,
-            runtime: common::cached(RuntimeOptions::default()),
-            call_observer: Some(self.obs.clone()),
-            settle_observer: Some(self.settles.clone()),
-            ..NodeOptions::default()
-        };
-        self.nodes
-            .push(Node::start(&cfg, transport, opts).await.expect("node starts on NATS"));
-        self.per_node.push(mine);
-    }
-
-    fn node(&self) -> &Node {
-        &self.nodes[0]
-    }
-
-    fn all_seen(&self) -> Vec<Seen> {
-        let mut all = self.seen.lock().clone();
-        for n in &self.per_node {
-            all.extend(n.lock().iter().cloned());
-        }
-        all
-    }
-
-    async fn publish(&self, env: &Envelope) {
-        self.node()
-            .publish(&self.topo.name, env)
-            .await
-            .expect("publish with PubAck");
-    }
-
-    async fn wait_outcomes(&self, ids: &HashSet<String>, timeout: Duration) -> HashMap<String, Outcome> {
-        let start = Instant::now();
-        loop {
-            let outcomes = self.obs.ledger.outcomes();
-            if ids.iter().all(|id| outcomes.contains_key(id)) {
-                return outcomes;
-            }
-            assert!(
-                start.elapsed() < timeout,
-                "timed out: {} of {} messages settled",
-                ids.iter().filter(|id| outcomes.contains_key(*id)).count(),
-                ids.len()
-            );
-            tokio::time::sleep(ms(20)).await;
-        }
-    }
-
-    /// Wait until `id` has been settled with `outcome`.
-    async fn wait_for(&self, id: &str, outcome: Outcome, timeout: Duration) {
-        let start = Instant::now();
-        while !self.settles.1.lock().iter().any(|(i, o)| i == id && *o == outcome) {
-            assert!(
-                start.elapsed() < timeout,
-                "timed out waiting for {outcome:?} of {id}; settled so far: {:?}",
-                self.settles.1.lock()
-            );
-            tokio::time::sleep(ms(20)).await;
-        }
-    }
-
-    async fn shutdown(&mut self) {
-        for node in self.nodes.drain(..) {
-            node.shutdown().await.expect("node drains");
-        }
-    }
+/// A node on the test server for a fresh topology.
+async fn start(slots: u32, ladder: &[Duration], max_deliver: i64) -> Harness<Topo> {
+    start_on(Topo::new(), NatsOptions::default(), slots, ladder, max_deliver).await
 }
 
 fn msg(t: &str, group: Option<&str>, payload: &str) -> Envelope {
@@ -442,50 +105,14 @@ async fn read_dead_letters(topology: &str, n: usize, timeout: Duration) -> Vec<j
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_of_groups_keeps_lanes_slots_and_parallelism() {
-    let mut h = Harness::start(Setup::new(4, &[ms(500)], 3)).await;
-    let groups: Vec<String> = (0..16).map(|g| format!("g-{g}")).collect();
-    let mut ids = HashSet::new();
-    for round in 0..5 {
-        for g in &groups {
-            let ms = if round % 2 == 0 { "5" } else { "1" };
-            let m = msg("slow", Some(g), ms);
-            ids.insert(m.id.clone());
-            h.publish(&m).await;
-        }
-    }
-    let outcomes = h.wait_outcomes(&ids, secs(60)).await;
-    h.shutdown().await;
-
-    assert!(
-        ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)),
-        "every message handled"
-    );
-    assert_eq!(h.obs.ledger.overlaps(), 0, "two calls of one group ran at once");
-    assert!(h.obs.ledger.peak_groups() >= 2, "groups ran in parallel");
-    let mut sources: HashMap<String, HashSet<String>> = HashMap::new();
-    for s in h.all_seen().iter().filter(|s| ids.contains(&s.id)) {
-        sources
-            .entry(s.group.clone().unwrap())
-            .or_default()
-            .insert(s.source.clone());
-    }
-    assert_eq!(sources.len(), groups.len());
-    let mut used = HashSet::new();
-    for (g, subjects) in &sources {
-        let expected = names::slot_subject(&h.topo.name, partition::slot_for(Some(g), "", 4));
-        assert_eq!(
-            subjects,
-            &HashSet::from([expected.clone()]),
-            "group {g} straddled slots"
-        );
-        used.insert(expected);
-    }
-    assert_eq!(used.len(), 4, "every slot used");
+    let mut h = start(4, &[ms(500)], 3).await;
+    let name = h.name.clone();
+    compliance::burst_of_groups(&mut h, |slot| names::slot_subject(&name, slot)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cascades_and_ingress_come_through_the_slot_subjects() {
-    let mut h = Harness::start(Setup::new(3, &[ms(500)], 3)).await;
+    let mut h = start(3, &[ms(500)], 3).await;
     let parents: Vec<Envelope> = (0..6).map(|i| msg("publish", Some(&format!("c-{i}")), "x")).collect();
     let mut ids: HashSet<String> = HashSet::new();
     for p in &parents {
@@ -495,10 +122,10 @@ async fn cascades_and_ingress_come_through_the_slot_subjects() {
     }
     // Ingress: a plain client sets only id, type and group; one message lacks the type.
     let js = js_at(&url()).await;
-    let ingress = names::ingress(&h.topo.name);
+    let ingress = names::ingress(&h.name);
     let mut ingress_ids = Vec::new();
     for i in 0..4 {
-        let id = format!("in-{i}-{}", h.topo.name);
+        let id = format!("in-{i}-{}", h.name);
         let mut headers = HeaderMap::new();
         headers.insert(header::MESSAGE_ID, id.as_str());
         headers.insert(header::MESSAGE_TYPE, "ok");
@@ -521,7 +148,7 @@ async fn cascades_and_ingress_come_through_the_slot_subjects() {
 
     let outcomes = h.wait_outcomes(&ids, secs(60)).await;
     assert!(ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)));
-    let seen = h.all_seen();
+    let seen = h.seen.lock().clone();
     let called: HashSet<String> = h.obs.calls.all().into_iter().map(|c| c.id).collect();
     for id in &called {
         let s = seen
@@ -529,12 +156,12 @@ async fn cascades_and_ingress_come_through_the_slot_subjects() {
             .find(|s| &s.id == id)
             .unwrap_or_else(|| panic!("{id} ran without a delivery"));
         let expected = partition::slot_for(s.group.as_deref(), id, 3);
-        assert_eq!(s.source, names::slot_subject(&h.topo.name, expected));
+        assert_eq!(s.source, names::slot_subject(&h.name, expected));
     }
     for id in &ingress_ids {
         assert!(called.contains(id), "ingress message {id} was forwarded and handled");
     }
-    let dead = read_dead_letters(&h.topo.name, 1, secs(10)).await;
+    let dead = read_dead_letters(&h.name, 1, secs(10)).await;
     let d = &dead[0].headers;
     assert_eq!(
         header_text(d, header::DEAD_LETTER_REASON).as_deref(),
@@ -554,7 +181,7 @@ async fn cascades_and_ingress_come_through_the_slot_subjects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_gaps_follow_the_backoff() {
     let ladder = [secs(1), secs(2), secs(3)];
-    let mut h = Harness::start(Setup::new(2, &ladder, 5)).await;
+    let mut h = start(2, &ladder, 5).await;
     let m = msg("retry", Some("r-1"), "x");
     h.publish(&m).await;
     h.wait_for(
@@ -573,7 +200,7 @@ async fn retry_gaps_follow_the_backoff() {
             i + 2
         );
     }
-    let dead = read_dead_letters(&h.topo.name, 1, secs(10)).await;
+    let dead = read_dead_letters(&h.name, 1, secs(10)).await;
     let d = &dead[0];
     let hd = &d.headers;
     assert_eq!(header_text(hd, header::MESSAGE_ID).as_deref(), Some(m.id.as_str()));
@@ -588,7 +215,7 @@ async fn retry_gaps_follow_the_backoff() {
     let slot = partition::slot_for(Some("r-1"), "", 2);
     assert_eq!(
         header_text(hd, header::SOURCE),
-        Some(names::slot_subject(&h.topo.name, slot))
+        Some(names::slot_subject(&h.name, slot))
     );
     assert_eq!(header_text(hd, header::HANDLER).as_deref(), Some("faulty"));
     assert!(header_text(hd, header::HANDLER_VERSION).is_some_and(|v| !v.is_empty()));
@@ -596,7 +223,7 @@ async fn retry_gaps_follow_the_backoff() {
     assert_eq!(header_text(hd, header::STREAM_SEQUENCE).as_deref(), Some("1"));
     assert_eq!(header_text(hd, header::DELIVERY_COUNT).as_deref(), Some("4"));
     assert_eq!(d.payload.as_ref(), b"x");
-    assert_eq!(d.subject.as_str(), names::dead_letter(&h.topo.name));
+    assert_eq!(d.subject.as_str(), names::dead_letter(&h.name));
     // The capture was acked with a confirmed ack: the consumer caught up.
     let snap = h.node().stats().snapshot();
     assert_eq!((snap.stranded, snap.uncertain), (0, 0));
@@ -647,7 +274,7 @@ async fn negative_control_a_plain_nak_burns_the_ladder() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_is_dead_lettered_at_once() {
-    let mut h = Harness::start(Setup::new(2, &[secs(1)], 3)).await;
+    let mut h = start(2, &[secs(1)], 3).await;
     let m = msg("reject", Some("rj"), "bad");
     h.publish(&m).await;
     h.wait_for(
@@ -657,7 +284,7 @@ async fn reject_is_dead_lettered_at_once() {
     )
     .await;
     assert_eq!(h.obs.calls.of(&m.id).len(), 1, "a reject is not retried");
-    let dead = read_dead_letters(&h.topo.name, 1, secs(10)).await;
+    let dead = read_dead_letters(&h.name, 1, secs(10)).await;
     let hd = &dead[0].headers;
     assert_eq!(header_text(hd, header::DEAD_LETTER_REASON).as_deref(), Some("rejected"));
     assert_eq!(header_text(hd, header::ERROR).as_deref(), Some("rejected by test"));
@@ -671,22 +298,14 @@ async fn reject_is_dead_lettered_at_once() {
 /// with no delivery left it ends `stranded`, counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_capture_is_retried_on_the_reserve_then_stranded() {
-    let mut h = Harness::start(Setup::new(1, &[ms(500), ms(500)], 3)).await;
+    let mut h = start(1, &[ms(500), ms(500)], 3).await;
     let js = js_at(&url()).await;
-    js.delete_stream(names::dead_letter_stream(&h.topo.name)).await.unwrap();
+    js.delete_stream(names::dead_letter_stream(&h.name)).await.unwrap();
     let m = msg("retry", Some("s"), "x");
     h.publish(&m).await;
     h.wait_for(&m.id, Outcome::Stranded, secs(20)).await;
-    let settled: Vec<Outcome> = h
-        .settles
-        .1
-        .lock()
-        .iter()
-        .filter(|(i, _)| i == &m.id)
-        .map(|(_, o)| *o)
-        .collect();
     assert_eq!(
-        settled,
+        h.settled_of(&m.id),
         vec![Outcome::RetryScheduled, Outcome::Requeued, Outcome::Stranded]
     );
     let attempts: Vec<u32> = h.obs.calls.of(&m.id).iter().map(|c| c.attempt).collect();
@@ -836,28 +455,46 @@ async fn start_refuses_a_ladder_that_outlives_the_stream() {
     .await
     .unwrap();
     // [1s, 2s, 3s] with max_deliver 5: the last delivery comes 9s after the first.
-    let setup = Setup::new(1, &[secs(1), secs(2), secs(3)], 5);
-    let err = Harness::try_start(&topo, &setup).await.err().expect("refused");
+    let err = try_node(&topo, &[secs(1), secs(2), secs(3)], 5, true)
+        .await
+        .err()
+        .expect("refused");
     let text = format!("{err:#}");
     assert!(text.contains("max_age = 5s"), "{text}");
     assert!(text.contains("topology[0].retry"), "{text}");
     // A ladder that fits starts.
-    let fits = Setup::new(1, &[ms(500)], 3);
-    let node = Harness::try_start(&topo, &fits).await.expect("a fitting ladder starts");
+    let node = try_node(&topo, &[ms(500)], 3, true)
+        .await
+        .expect("a fitting ladder starts");
     node.shutdown().await.unwrap();
     // No retry section: never refused, even though the default ladder outlives 5s.
-    let mut cfg = config(&topo, &fits, "no-retry");
-    cfg.topology[0].retry = None;
-    let transport = Arc::new(Nats::new(url(), "weir default policy"));
+    let node = try_node(&topo, &[ms(500)], 3, false)
+        .await
+        .expect("the default policy is never refused");
+    node.shutdown().await.unwrap();
+}
+
+/// A bare node (no recording) on `topo` with the harness's config, with or
+/// without its retry section, or the node's refusal to start.
+async fn try_node(topo: &Topo, ladder: &[Duration], max_deliver: i64, retry: bool) -> anyhow::Result<Node> {
+    let subject = subject(&topo.url, &topo.name, NatsOptions::default());
+    let mut cfg = compliance::config(
+        &subject,
+        &topo.name,
+        1,
+        ladder,
+        max_deliver,
+        &format!("node-{}", topo.name),
+    );
+    if !retry {
+        cfg.topology[0].retry = None;
+    }
     let opts = NodeOptions {
         workers: 1,
         runtime: common::cached(RuntimeOptions::default()),
         ..NodeOptions::default()
     };
-    let node = Node::start(&cfg, transport, opts)
-        .await
-        .expect("the default policy is never refused");
-    node.shutdown().await.unwrap();
+    Node::start(&cfg, subject.transport, opts).await
 }
 
 /// A call longer than AckWait is kept alive with in-progress signals (not
@@ -865,12 +502,11 @@ async fn start_refuses_a_ladder_that_outlives_the_stream() {
 /// stall while an idle one reports none; it recovers once the call ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
-    let mut setup = Setup::new(2, &[secs(1)], 3);
-    setup.options = NatsOptions {
+    let options = NatsOptions {
         floor_poll: ms(200),
         floor_warn_after: Some(secs(1)),
     };
-    let mut h = Harness::start(setup).await;
+    let mut h = start_on(Topo::new(), options, 2, &[secs(1)], 3).await;
     tokio::time::sleep(ms(1200)).await;
     let idle = h.node().ack_floor();
     assert_eq!(idle.len(), 2, "both slot consumers watched: {idle:?}");
@@ -907,88 +543,6 @@ async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
         h.node().ack_floor().iter().all(|f| f.stalled_for.is_zero()),
         "caught up: {:?}",
         h.node().ack_floor()
-    );
-    h.shutdown().await;
-}
-
-/// Three nodes in `static` mode, each owning its own slots, share the load
-/// without intra-group overlap; every node works, every slot is used.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn static_cluster_of_three_shares_the_slots() {
-    let owned = [vec![0, 3], vec![1, 4], vec![2, 5]];
-    let setups: Vec<Setup> = owned
-        .iter()
-        .map(|o| {
-            let mut s = Setup::new(6, &[ms(500)], 3);
-            s.mode = ClusterMode::Static;
-            s.owned = Some(o.clone());
-            s
-        })
-        .collect();
-    let mut h = Harness::start_on(Topo::new(), setups).await;
-    let mut ids = HashSet::new();
-    for round in 0..4 {
-        for g in 0..24 {
-            let m = msg("slow", Some(&format!("sg-{g}")), if round % 2 == 0 { "3" } else { "1" });
-            ids.insert(m.id.clone());
-            h.publish(&m).await;
-        }
-    }
-    let outcomes = h.wait_outcomes(&ids, secs(60)).await;
-    assert!(ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)));
-    assert_eq!(h.obs.ledger.overlaps(), 0);
-    for (i, seen) in h.per_node.iter().enumerate() {
-        let seen = seen.lock();
-        assert!(!seen.is_empty(), "node {i} did work");
-        for s in seen.iter() {
-            let slot = partition::slot_for(s.group.as_deref(), &s.id, 6);
-            assert!(owned[i].contains(&slot), "node {i} got slot {slot}");
-        }
-    }
-    let used: HashSet<String> = h.all_seen().into_iter().map(|s| s.source).collect();
-    assert_eq!(used.len(), 6, "every slot used");
-    for (i, n) in h.nodes.iter().enumerate() {
-        assert_eq!(n.owned_slots().len(), 2, "node {i} still owns its slots");
-    }
-    h.shutdown().await;
-}
-
-/// Negative control for `static_cluster_of_three_shares_the_slots`: two
-/// nodes given the same slot both pull from its consumer (a pull consumer
-/// has no single active consumer), and the ledger sees one group run on both
-/// at once. Deterministic: node 0 holds the first message of the group in a
-/// long call and sends no further pull request, so the second message can
-/// only go to node 1.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn negative_control_two_nodes_on_one_slot_overlap() {
-    let mut setup = Setup::new(1, &[ms(500)], 3);
-    setup.mode = ClusterMode::Static;
-    setup.owned = Some(vec![0]);
-    let mut h = Harness::start_on(Topo::new(), Vec::new()).await;
-    let mut first = setup.clone();
-    first.prefetch = 1;
-    h.add_node(&first, Some(1)).await;
-    let m1 = msg("slow", Some("shared"), "2500");
-    h.publish(&m1).await;
-    let start = Instant::now();
-    while h.obs.calls.of(&m1.id).is_empty() {
-        assert!(start.elapsed() < secs(10), "node 0 started the first message");
-        tokio::time::sleep(ms(10)).await;
-    }
-    h.add_node(&setup, None).await;
-    let m2 = msg("slow", Some("shared"), "300");
-    h.publish(&m2).await;
-    let ids = HashSet::from([m1.id.clone(), m2.id.clone()]);
-    let outcomes = h.wait_outcomes(&ids, secs(20)).await;
-    assert!(ids.iter().all(|id| outcomes.get(id) == Some(&Outcome::Handled)));
-    assert_eq!(h.per_node[0].lock().len(), 1, "node 0 took only the first");
-    assert!(
-        h.per_node[1].lock().iter().any(|s| s.id == m2.id),
-        "node 1 took the second"
-    );
-    assert!(
-        h.obs.ledger.overlaps() >= 1,
-        "the ledger sees the group run on both nodes at once"
     );
     h.shutdown().await;
 }
@@ -1056,7 +610,7 @@ impl Drop for OwnServer {
 async fn server_restart_mid_stream_loses_nothing() {
     let mut server = OwnServer::start();
     let topo = Topo::at(server.url());
-    let mut h = Harness::start_on(topo, vec![Setup::new(4, &[ms(500)], 0)]).await;
+    let mut h = start_on(topo, NatsOptions::default(), 4, &[ms(500)], 0).await;
     let mut ids = HashSet::new();
     for _round in 0..30 {
         for g in 0..8 {

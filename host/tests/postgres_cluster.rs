@@ -22,7 +22,7 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use common::cluster::Cluster;
+use common::cluster::{self, Cluster};
 use common::pg::{Proxy, TestDb};
 use common::rabbit::{Topo, url};
 use weir::envelope::{self, Envelope};
@@ -36,33 +36,9 @@ const LEASE: Duration = Duration::from_secs(2);
 const NO_SAC: (&str, &str) = (rabbitmq::NEGATIVE_CONTROL_NO_SAC, "1");
 
 fn config(topo: &Topo, db_url: &str, node: &str) -> String {
-    format!(
-        r#"
-[node]
-name = "{node}"
-[transport]
-kind = "rabbitmq"
-url = "{url}"
-prefetch = 16
-[cluster]
-mode = "postgres"
-database_url = "{db_url}"
-lease = "{lease}ms"
-[[topology]]
-name = "{topo}"
-slots = {SLOTS}
-max_concurrent_groups = 16
-[[handler]]
-name = "faulty"
-component = "{component}"
-topology = "{topo}"
-message_types = ["ok", "slow"]
-"#,
-        url = url(),
-        topo = topo.name,
-        lease = LEASE.as_millis(),
-        component = weir::node::bundled::FAULTY_PATH,
-    )
+    let lease = LEASE.as_millis();
+    let postgres = format!("mode = \"postgres\"\ndatabase_url = \"{db_url}\"\nlease = \"{lease}ms\"");
+    cluster::node_config(node, "rabbitmq", &url(), 16, &postgres, &topo.name, SLOTS)
 }
 
 fn slow(group: &str, ms: u32) -> Envelope {

@@ -24,14 +24,12 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
-use common::cluster::Cluster;
+use common::cluster::{self, Cluster, describe, ids, messages};
 use common::rabbit::{Topo, url};
 use weir::envelope::{self, Envelope};
-use weir::journal::Report;
-use weir::node::bundled;
 use weir::partition;
 use weir::transport::Transport as _;
 use weir::transport::rabbitmq::{self, RabbitMq};
@@ -39,134 +37,35 @@ use weir::transport::rabbitmq::{self, RabbitMq};
 const SLOTS: u32 = 6;
 
 fn config(topo: &Topo, node: &str, cluster: &str) -> String {
-    format!(
-        r#"
-[node]
-name = "{node}"
-[transport]
-kind = "rabbitmq"
-url = "{url}"
-prefetch = 32
-[cluster]
-{cluster}
-[[topology]]
-name = "{topo}"
-slots = {SLOTS}
-max_concurrent_groups = 16
-[[handler]]
-name = "faulty"
-component = "{component}"
-topology = "{topo}"
-message_types = ["ok", "slow"]
-"#,
-        url = url(),
-        topo = topo.name,
-        component = bundled::FAULTY_PATH,
-    )
+    cluster::node_config(node, "rabbitmq", &url(), 32, cluster, &topo.name, SLOTS)
 }
 
 fn static_config(topo: &Topo, node: &str, owned: &[u32]) -> String {
-    config(topo, node, &format!("mode = \"static\"\nowned_slots = {owned:?}"))
-}
-
-/// `groups` × `per_group` messages of type `slow` (payload: ms of CPU).
-fn messages(groups: usize, per_group: usize, ms: u32) -> Vec<Envelope> {
-    let mut out = Vec::new();
-    for _ in 0..per_group {
-        for g in 0..groups {
-            out.push(common::message(
-                "slow",
-                Some(&format!("g{g}")),
-                ms.to_string().as_bytes(),
-            ));
-        }
-    }
-    out
+    config(topo, node, &cluster::static_mode(owned))
 }
 
 /// Publish through the exchange; `slot_of` picks each message's slot.
 fn publish(topo: &Topo, msgs: &[Envelope], slot_of: impl Fn(&Envelope) -> u32) {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let t = RabbitMq::new(url(), "weir cluster-test publisher");
-        for m in msgs {
-            t.publish(&topo.name, slot_of(m), envelope::encode(m)).await.unwrap();
-        }
-    });
+    cluster::publish(
+        || RabbitMq::new(url(), "weir cluster-test publisher"),
+        &topo.name,
+        msgs,
+        slot_of,
+    );
 }
 
 fn right_slot(m: &Envelope) -> u32 {
     partition::slot_for(m.group(), &m.id, SLOTS)
 }
 
-fn ids(msgs: &[Envelope]) -> Vec<String> {
-    msgs.iter().map(|m| m.id.clone()).collect()
-}
-
-fn describe(r: &Report) -> String {
-    let first: Vec<String> = r
-        .overlaps
-        .iter()
-        .take(5)
-        .map(|o| {
-            format!(
-                "group {}: {} on {} [{}..{}] and {} on {} [{}..{}]",
-                o.group,
-                o.first.id,
-                o.first.node,
-                o.first.start,
-                o.first.end,
-                o.second.id,
-                o.second.node,
-                o.second.start,
-                o.second.end
-            )
-        })
-        .collect();
-    format!("{} overlaps, first: {first:#?}", r.overlaps.len())
-}
-
 #[test]
 fn static_cluster_of_three() {
     let topo = Topo::new(SLOTS, &[]);
-    let mut cluster = Cluster::default();
-    let owned: [[u32; 2]; 3] = [[0, 1], [2, 3], [4, 5]];
-    for (i, slots) in owned.iter().enumerate() {
-        cluster.start(&format!("node-{i}"), &static_config(&topo, &format!("node-{i}"), slots));
-    }
-    // 60 groups × 10 messages of 2 ms each: every slot gets groups, every
-    // node holds several lanes at once.
-    let msgs = messages(60, 10, 2);
-    publish(&topo, &msgs, right_slot);
-    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
-
-    assert!(report.overlaps.is_empty(), "{}", describe(&report));
-    // Groups never straddle slots or owners: each group ran on exactly the
-    // node that owns its slot.
-    let owner_of = |slot: u32| format!("node-{}", slot / 2);
-    for (group, nodes) in report.nodes_per_group() {
-        let slot = partition::slot_for(Some(group), "", SLOTS);
-        assert_eq!(
-            nodes,
-            HashSet::from([owner_of(slot).as_str()]),
-            "group {group} (slot {slot}) ran on {nodes:?}"
-        );
-    }
-    let used: HashSet<u32> = report
-        .calls
-        .iter()
-        .filter_map(|c| c.group.as_deref())
-        .map(|g| partition::slot_for(Some(g), "", SLOTS))
-        .collect();
-    assert_eq!(used.len(), SLOTS as usize, "every slot used: {used:?}");
-    assert_eq!(report.nodes().len(), 3, "every node did work: {:?}", report.nodes());
-    // Ownership still held at the end: every node is alive and drains cleanly.
-    for n in &mut cluster.nodes {
-        assert!(n.alive(), "{} died during the run; log:\n{}", n.name, n.log());
-    }
-    for n in &mut cluster.nodes {
-        n.terminate(Duration::from_secs(30));
-    }
+    cluster::static_cluster_of_three(
+        SLOTS,
+        |node, owned| static_config(&topo, node, owned),
+        |msgs| publish(&topo, msgs, right_slot),
+    );
 }
 
 #[test]
@@ -201,27 +100,12 @@ fn nodes_sharing_slots_without_single_active_consumer_overlap() {
     // queue's messages round-robin to all three, so a group runs on three
     // nodes at once.
     let topo = Topo::new(SLOTS, &[]);
-    let mut cluster = Cluster::default();
-    let every: Vec<u32> = (0..SLOTS).collect();
-    let env = [(rabbitmq::NEGATIVE_CONTROL_NO_SAC, "1")];
-    for i in 0..3 {
-        cluster.start_with_env(
-            &format!("node-{i}"),
-            &static_config(&topo, &format!("node-{i}"), &every),
-            &env,
-        );
-    }
-    let msgs = messages(3, 12, 40);
-    publish(&topo, &msgs, right_slot);
-    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
-    assert!(
-        report.nodes_per_group().values().any(|n| n.len() > 1),
-        "without single active consumer a group must reach several nodes"
+    cluster::nodes_sharing_every_slot_overlap(
+        SLOTS,
+        &[(rabbitmq::NEGATIVE_CONTROL_NO_SAC, "1")],
+        |node, every| static_config(&topo, node, every),
+        |msgs| publish(&topo, msgs, right_slot),
     );
-    assert!(!report.overlaps.is_empty(), "the ledger saw no overlap: it is blind");
-    for n in &mut cluster.nodes {
-        n.terminate(Duration::from_secs(30));
-    }
 }
 
 #[test]

@@ -2,13 +2,19 @@
 //! gets its own config file, log file and journal (the cross-process ledger,
 //! `weir::journal`) in one scratch directory. Nodes are stopped with SIGTERM
 //! (drain) or SIGKILL (crash); any node still running when the cluster is
-//! dropped is killed, so a failing test leaves no process behind.
+//! dropped is killed, so a failing test leaves no process behind. The
+//! cluster assertions every transport must pass live here too
+//! ([`static_cluster_of_three`] and its red baseline).
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use weir::envelope::{self, Envelope};
 use weir::journal::{self, Report};
+use weir::partition;
+use weir::transport::Transport;
 
 const WEIR: &str = env!("CARGO_BIN_EXE_weir");
 
@@ -180,5 +186,188 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+}
+
+/// The TOML of a cluster node: the faulty guest (types `ok` and `slow`) on
+/// one topology of `slots` slots, on transport `kind` at `url` with
+/// `prefetch`, and `cluster` as the body of its `[cluster]` section.
+pub fn node_config(
+    node: &str,
+    kind: &str,
+    url: &str,
+    prefetch: u32,
+    cluster: &str,
+    topology: &str,
+    slots: u32,
+) -> String {
+    format!(
+        r#"
+[node]
+name = "{node}"
+[transport]
+kind = "{kind}"
+url = "{url}"
+prefetch = {prefetch}
+[cluster]
+{cluster}
+[[topology]]
+name = "{topology}"
+slots = {slots}
+max_concurrent_groups = 16
+[[handler]]
+name = "faulty"
+component = "{component}"
+topology = "{topology}"
+message_types = ["ok", "slow"]
+"#,
+        component = weir::node::bundled::FAULTY_PATH,
+    )
+}
+
+/// `cluster` body of a `static` node owning `owned`.
+pub fn static_mode(owned: &[u32]) -> String {
+    format!("mode = \"static\"\nowned_slots = {owned:?}")
+}
+
+/// `groups` × `per_group` messages of type `slow` (payload: ms of CPU), one
+/// message of every group per round.
+pub fn messages(groups: usize, per_group: usize, ms: u32) -> Vec<Envelope> {
+    let mut out = Vec::new();
+    for _ in 0..per_group {
+        for g in 0..groups {
+            out.push(super::message(
+                "slow",
+                Some(&format!("g{g}")),
+                ms.to_string().as_bytes(),
+            ));
+        }
+    }
+    out
+}
+
+/// The messages' ids.
+pub fn ids(msgs: &[Envelope]) -> Vec<String> {
+    msgs.iter().map(|m| m.id.clone()).collect()
+}
+
+/// Publish `msgs` with a transport of the test's own (made by `connect`,
+/// inside a runtime of this call); `slot_of` picks each message's slot.
+pub fn publish<T: Transport>(
+    connect: impl FnOnce() -> T,
+    topology: &str,
+    msgs: &[Envelope],
+    slot_of: impl Fn(&Envelope) -> u32,
+) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let t = connect();
+        for m in msgs {
+            t.publish(topology, slot_of(m), envelope::encode(m)).await.unwrap();
+        }
+    });
+}
+
+/// The first overlaps of a report, for a failure message.
+pub fn describe(r: &Report) -> String {
+    let first: Vec<String> = r
+        .overlaps
+        .iter()
+        .take(5)
+        .map(|o| {
+            format!(
+                "group {}: {} on {} [{}..{}] and {} on {} [{}..{}]",
+                o.group,
+                o.first.id,
+                o.first.node,
+                o.first.start,
+                o.first.end,
+                o.second.id,
+                o.second.node,
+                o.second.start,
+                o.second.end
+            )
+        })
+        .collect();
+    format!("{} overlaps, first: {first:#?}", r.overlaps.len())
+}
+
+/// The compliance assertions over a `static` cluster of three `weir run`
+/// processes, `node-0..2`, that own a third of `slots` each (node `i` the
+/// consecutive slots `i * slots / 3 ..`). `config(node, owned)` is a node's
+/// TOML; `publish` sends the messages to the right slots. 60 groups × 10
+/// messages of 2 ms: no overlap across the journals, everything handled,
+/// each group only on its slot's owner, every slot and node used, every
+/// node alive at the end and exiting 0 on SIGTERM.
+pub fn static_cluster_of_three(slots: u32, config: impl Fn(&str, &[u32]) -> String, publish: impl FnOnce(&[Envelope])) {
+    assert_eq!(slots % 3, 0, "three equal shares");
+    let per = slots / 3;
+    let mut cluster = Cluster::default();
+    for i in 0..3 {
+        let owned: Vec<u32> = (i * per..(i + 1) * per).collect();
+        let name = format!("node-{i}");
+        cluster.start(&name, &config(&name, &owned));
+    }
+    // Every slot gets groups, every node holds several lanes at once.
+    let msgs = messages(60, 10, 2);
+    publish(&msgs);
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+
+    assert!(report.overlaps.is_empty(), "{}", describe(&report));
+    // Groups never straddle slots or owners: each group ran on exactly the
+    // node that owns its slot.
+    let owner_of = |slot: u32| format!("node-{}", slot / per);
+    for (group, nodes) in report.nodes_per_group() {
+        let slot = partition::slot_for(Some(group), "", slots);
+        assert_eq!(
+            nodes,
+            HashSet::from([owner_of(slot).as_str()]),
+            "group {group} (slot {slot}) ran on {nodes:?}"
+        );
+    }
+    let used: HashSet<u32> = report
+        .calls
+        .iter()
+        .filter_map(|c| c.group.as_deref())
+        .map(|g| partition::slot_for(Some(g), "", slots))
+        .collect();
+    assert_eq!(used.len(), slots as usize, "every slot used: {used:?}");
+    assert_eq!(report.nodes().len(), 3, "every node did work: {:?}", report.nodes());
+    // Ownership still held at the end: every node is alive and drains cleanly.
+    for n in &mut cluster.nodes {
+        assert!(n.alive(), "{} died during the run; log:\n{}", n.name, n.log());
+    }
+    for n in &mut cluster.nodes {
+        n.terminate(Duration::from_secs(30));
+    }
+}
+
+/// The red baseline of [`static_cluster_of_three`]: three nodes that each
+/// consume every one of `slots` (`config(node, every_slot)`, started with
+/// `env`), on a broker that hands one slot's messages to all of them. 3
+/// groups × 12 messages of 40 ms, routed right: a group must reach several
+/// nodes and the journals must report overlaps.
+pub fn nodes_sharing_every_slot_overlap(
+    slots: u32,
+    env: &[(&str, &str)],
+    config: impl Fn(&str, &[u32]) -> String,
+    publish: impl FnOnce(&[Envelope]),
+) {
+    let mut cluster = Cluster::default();
+    let every: Vec<u32> = (0..slots).collect();
+    for i in 0..3 {
+        let name = format!("node-{i}");
+        cluster.start_with_env(&name, &config(&name, &every), env);
+    }
+    let msgs = messages(3, 12, 40);
+    publish(&msgs);
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    assert!(
+        report.nodes_per_group().values().any(|n| n.len() > 1),
+        "with every node on every slot a group must reach several nodes"
+    );
+    assert!(!report.overlaps.is_empty(), "the ledger saw no overlap: it is blind");
+    for n in &mut cluster.nodes {
+        n.terminate(Duration::from_secs(30));
     }
 }

@@ -13,12 +13,13 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use weir::config::{self, Config, RetrySection, TransportKind};
 use weir::envelope::{Envelope, Wire};
+use weir::floor::FloorState;
 use weir::ledger::Ledger;
 use weir::node::{Node, NodeOptions, bundled};
 use weir::partition;
 use weir::retry::capture::Outcome;
 use weir::runtime::{CallObserver, RuntimeOptions};
-use weir::transport::{Delivery, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+use weir::transport::{Delivery, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 
 /// One delivery as the recording transport saw it.
 #[derive(Debug, Clone)]
@@ -31,7 +32,9 @@ pub struct Seen {
     pub source: String,
 }
 
-/// Wraps the real transport and notes every delivery's id, group and queue.
+/// Wraps the real transport and notes every delivery's id, group and queue;
+/// everything else (closing, the broker's retry facts, the ack floor) is
+/// passed through untouched.
 pub struct Recording {
     inner: Arc<dyn Transport>,
     seen: Arc<Mutex<Vec<Seen>>>,
@@ -69,6 +72,9 @@ impl Subscription for RecordingSub {
         self.note(&d);
         d
     }
+    async fn close(&mut self) {
+        self.inner.close().await;
+    }
 }
 
 #[async_trait]
@@ -98,6 +104,12 @@ impl Transport for Recording {
     }
     async fn publish_dead_letter(&self, t: &str, wire: Wire) -> Result<(), TransportError> {
         self.inner.publish_dead_letter(t, wire).await
+    }
+    async fn retry_facts(&self, t: &str) -> Result<Option<RetryFacts>, TransportError> {
+        self.inner.retry_facts(t).await
+    }
+    fn ack_floor(&self) -> Vec<FloorState> {
+        self.inner.ack_floor()
     }
 }
 
@@ -156,16 +168,27 @@ pub struct Subject {
     pub url: Option<String>,
 }
 
-/// Settlements go to the observer's ledger.
-pub struct LedgerSettle(Arc<Observer>);
+/// Settlements go to the observer's ledger, and every outcome is kept in
+/// order (the ledger keeps only the last of each message).
+pub struct LedgerSettle(Arc<Observer>, Mutex<Vec<(String, Outcome)>>);
 
 impl weir::lanes::SettleObserver for LedgerSettle {
     fn settled(&self, id: &str, outcome: Outcome) {
         self.0.ledger.settled(id, outcome);
+        self.1.lock().push((id.to_owned(), outcome));
     }
 }
 
-fn config(subject: &Subject, name: &str, slots: u32, ladder: &[Duration], max_deliver: i64, node_name: &str) -> Config {
+/// The config the harness gives its node: the faulty guest on topology
+/// `name` with this ladder and `max_deliver`, as node `node_name`.
+pub fn config(
+    subject: &Subject,
+    name: &str,
+    slots: u32,
+    ladder: &[Duration],
+    max_deliver: i64,
+    node_name: &str,
+) -> Config {
     let mut t = config::Topology::new(name, slots);
     t.max_concurrent_groups = 16;
     t.max_unordered = 16;
@@ -213,7 +236,7 @@ impl<G> Harness<G> {
             subscriptions: subscriptions.clone(),
         });
         let obs = Arc::new(Observer::default());
-        let ledger = Arc::new(LedgerSettle(obs.clone()));
+        let ledger = Arc::new(LedgerSettle(obs.clone(), Mutex::new(Vec::new())));
         let opts = NodeOptions {
             workers: 2,
             runtime: super::cached(RuntimeOptions::default()),
@@ -258,6 +281,30 @@ impl<G> Harness<G> {
                 "timed out: {} of {} messages settled",
                 ids.iter().filter(|id| outcomes.contains_key(*id)).count(),
                 ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Every outcome `id` was settled with so far, in order.
+    pub fn settled_of(&self, id: &str) -> Vec<Outcome> {
+        self.ledger
+            .1
+            .lock()
+            .iter()
+            .filter(|(i, _)| i == id)
+            .map(|(_, o)| *o)
+            .collect()
+    }
+
+    /// Wait until `id` has been settled with `outcome`.
+    pub async fn wait_for(&self, id: &str, outcome: Outcome, timeout: Duration) {
+        let start = Instant::now();
+        while !self.settled_of(id).contains(&outcome) {
+            assert!(
+                start.elapsed() < timeout,
+                "timed out waiting for {outcome:?} of {id}; settled so far: {:?}",
+                self.ledger.1.lock()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

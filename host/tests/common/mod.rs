@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod compliance;
+pub mod nats;
 pub mod pg;
 pub mod rabbit;
 
@@ -16,6 +17,22 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use weir::envelope::{self, Envelope};
 use weir::runtime::{CallObserver, HandlerSettings, Runtime, RuntimeOptions};
+
+/// Run `cleanup` to completion from a `Drop`: drop cannot await, and may run
+/// inside the test's runtime, so it gets a thread and a runtime of its own.
+pub fn clean_up_on_a_thread<F>(cleanup: impl FnOnce() -> F + Send + 'static)
+where
+    F: std::future::Future<Output = ()>,
+{
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(cleanup());
+    });
+    let _ = thread.join();
+}
 
 /// The faulty test guest, as built by `host/build.rs`.
 pub fn faulty_bytes() -> Vec<u8> {

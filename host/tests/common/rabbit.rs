@@ -37,27 +37,18 @@ impl Drop for Topo {
     fn drop(&mut self) {
         let queues = names::queues(&self.name, self.slots, &self.rungs);
         let exchanges = names::exchanges(&self.name, &self.rungs);
-        // Drop cannot await, and may run inside the test's runtime: clean up
-        // on a thread of its own.
-        let cleanup = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
+        super::clean_up_on_a_thread(move || async move {
+            let conn = Connection::connect(&url(), ConnectionProperties::default())
+                .await
                 .unwrap();
-            rt.block_on(async {
-                let conn = Connection::connect(&url(), ConnectionProperties::default())
-                    .await
-                    .unwrap();
-                let ch = conn.create_channel().await.unwrap();
-                for q in queues {
-                    let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
-                }
-                for e in exchanges {
-                    let _ = ch.exchange_delete(e.as_str().into(), Default::default()).await;
-                }
-                let _ = conn.close(200, "cleanup".into()).await;
-            });
+            let ch = conn.create_channel().await.unwrap();
+            for q in queues {
+                let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+            }
+            for e in exchanges {
+                let _ = ch.exchange_delete(e.as_str().into(), Default::default()).await;
+            }
+            let _ = conn.close(200, "cleanup".into()).await;
         });
-        let _ = cleanup.join();
     }
 }
