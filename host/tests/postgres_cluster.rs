@@ -5,6 +5,8 @@
 //!
 //! - `scale_out_and_in_under_load`: 1 → 3 → 2 nodes while messages flow;
 //!   balanced at each step; nothing lost, no overlap.
+//! The failover and handoff tests run on NATS JetStream too (`*_nats`).
+//!
 //! - `failover_after_kill_9_of_a_follower_then_of_the_leader`: the slots of
 //!   a killed node land on exactly one survivor each; then the same for
 //!   the leader. Prints the failover time (kill → first call of the new owner).
@@ -23,53 +25,92 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::cluster::{self, Cluster};
+use common::nats::Topo as NatsTopo;
 use common::pg::{Proxy, TestDb};
 use common::rabbit::{Topo, url};
 use weir::envelope::{self, Envelope};
 use weir::journal::{self, Report};
 use weir::partition;
-use weir::transport::Transport as _;
+use weir::transport::Transport;
+use weir::transport::nats::Nats;
 use weir::transport::rabbitmq::{self, RabbitMq};
 
 const SLOTS: u32 = 6;
 const LEASE: Duration = Duration::from_secs(2);
 const NO_SAC: (&str, &str) = (rabbitmq::NEGATIVE_CONTROL_NO_SAC, "1");
 
-fn config(topo: &Topo, db_url: &str, node: &str) -> String {
+/// The broker a test runs on; its objects are deleted on drop.
+enum Broker {
+    Rabbit(Topo),
+    Nats(NatsTopo),
+}
+
+impl Broker {
+    fn rabbit() -> Self {
+        Self::Rabbit(Topo::new(SLOTS, &[]))
+    }
+
+    fn nats() -> Self {
+        Self::Nats(NatsTopo::new())
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Self::Rabbit(t) => &t.name,
+            Self::Nats(t) => &t.name,
+        }
+    }
+
+    /// A publisher of the test's own.
+    fn transport(&self) -> Box<dyn Transport> {
+        match self {
+            Self::Rabbit(_) => Box::new(RabbitMq::new(url(), "weir postgres-test publisher")),
+            Self::Nats(t) => Box::new(Nats::new(t.url.clone(), "weir postgres-test publisher")),
+        }
+    }
+}
+
+fn config(broker: &Broker, db_url: &str, node: &str) -> String {
     let lease = LEASE.as_millis();
     let postgres = format!("mode = \"postgres\"\ndatabase_url = \"{db_url}\"\nlease = \"{lease}ms\"");
-    cluster::node_config(node, "rabbitmq", &url(), 16, &postgres, &topo.name, SLOTS)
+    match broker {
+        Broker::Rabbit(t) => cluster::node_config(node, "rabbitmq", &url(), 16, &postgres, &t.name, SLOTS),
+        // JetStream redelivers what a dead node held after AckWait, the
+        // first rung: keep it short so the test does not wait 30 s.
+        Broker::Nats(t) => {
+            cluster::node_config(node, "nats", &t.url, 16, &postgres, &t.name, SLOTS)
+                + "[topology.retry]\nladder = [\"1s\"]\nmax_deliver = 100\n"
+        }
+    }
 }
 
 fn slow(group: &str, ms: u32) -> Envelope {
     common::message("slow", Some(group), ms.to_string().as_bytes())
 }
 
-fn publish_all(topo: &Topo, msgs: &[Envelope]) {
+fn publish_all(broker: &Broker, msgs: &[Envelope]) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let t = RabbitMq::new(url(), "weir postgres-test publisher");
+        let t = broker.transport();
         for m in msgs {
-            weir::node::publish(&t, &topo.name, SLOTS, m).await.unwrap();
+            weir::node::publish(t.as_ref(), broker.name(), SLOTS, m).await.unwrap();
         }
-        t.close().await;
     });
 }
 
 /// Publish `msgs` evenly over `over` on a thread.
-fn stream(topo: &Topo, msgs: Vec<Envelope>, over: Duration) -> std::thread::JoinHandle<()> {
-    let name = topo.name.clone();
+fn stream(broker: &Broker, msgs: Vec<Envelope>, over: Duration) -> std::thread::JoinHandle<()> {
+    let name = broker.name().to_owned();
+    let t = broker.transport();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
-            let t = RabbitMq::new(url(), "weir postgres-test publisher");
             let gap = over / u32::try_from(msgs.len().max(1)).unwrap();
             for m in &msgs {
                 let slot = partition::slot_for(m.group(), &m.id, SLOTS);
                 t.publish(&name, slot, envelope::encode(m)).await.unwrap();
                 tokio::time::sleep(gap).await;
             }
-            t.close().await;
         });
     })
 }
@@ -179,7 +220,7 @@ fn no_overlap(r: &Report) {
 
 /// `weir status` (table and JSON) shows the nodes, the leader, every slot
 /// with its owner and epoch, and the broker's lag per slot.
-fn status_shows(topo: &Topo, db: &TestDb, owners: &HashMap<u32, String>) {
+fn status_shows(topo: &Broker, db: &TestDb, owners: &HashMap<u32, String>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("status.toml");
     std::fs::write(&path, config(topo, &db.url(), "status")).unwrap();
@@ -222,7 +263,7 @@ fn status_shows(topo: &Topo, db: &TestDb, owners: &HashMap<u32, String>) {
 #[test]
 fn scale_out_and_in_under_load() {
     let db = TestDb::new();
-    let topo = Topo::new(SLOTS, &[]);
+    let topo = Broker::rabbit();
     let mut cluster = Cluster::default();
     let names = ["node-0", "node-1", "node-2"];
     cluster.start(names[0], &config(&topo, &db.url(), names[0]));
@@ -261,8 +302,16 @@ fn scale_out_and_in_under_load() {
 
 #[test]
 fn failover_after_kill_9_of_a_follower_then_of_the_leader() {
+    failover(&Broker::rabbit());
+}
+
+#[test]
+fn failover_on_nats() {
+    failover(&Broker::nats());
+}
+
+fn failover(topo: &Broker) {
     let db = TestDb::new();
-    let topo = Topo::new(SLOTS, &[]);
     let mut cluster = Cluster::default();
     let names = ["node-0", "node-1", "node-2"];
     for n in names {
@@ -352,9 +401,8 @@ fn groups_on(slots: &[u32]) -> Vec<String> {
 /// a node's lowest slots). Once node-1 consumes those slots, more messages
 /// of the same groups arrive; with the drain they can only start after
 /// node-0's calls ended. Returns the journals' report.
-fn handoff(no_drain: bool) -> Report {
+fn handoff(topo: &Broker, no_drain: bool) -> Report {
     let db = TestDb::new();
-    let topo = Topo::new(SLOTS, &[]);
     let mut cluster = Cluster::default();
     let mut env0 = vec![NO_SAC];
     if no_drain {
@@ -398,12 +446,27 @@ fn handoff(no_drain: bool) -> Report {
 
 #[test]
 fn live_handoff_waits_for_running_calls() {
-    no_overlap(&handoff(false));
+    no_overlap(&handoff(&Broker::rabbit(), false));
+}
+
+/// JetStream has no single active consumer: only the drain keeps a moving
+/// slot's groups apart.
+#[test]
+fn live_handoff_waits_for_running_calls_on_nats() {
+    no_overlap(&handoff(&Broker::nats(), false));
+}
+
+#[test]
+fn handoff_without_drain_overlaps_on_nats() {
+    assert!(
+        !handoff(&Broker::nats(), true).overlaps.is_empty(),
+        "the ledger saw no overlap"
+    );
 }
 
 #[test]
 fn handoff_without_drain_overlaps() {
-    let report = handoff(true);
+    let report = handoff(&Broker::rabbit(), true);
     assert!(
         !report.overlaps.is_empty(),
         "a slot given up before its calls finished must let the next owner overlap them; the ledger saw none"
@@ -414,7 +477,7 @@ fn handoff_without_drain_overlaps() {
 fn losing_the_database_fences_before_the_lease_expires() {
     let db = TestDb::new();
     let proxy = Proxy::start();
-    let topo = Topo::new(SLOTS, &[]);
+    let topo = Broker::rabbit();
     let mut cluster = Cluster::default();
     cluster.start("node-0", &config(&topo, &db.url_via(&proxy), "node-0"));
     wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
