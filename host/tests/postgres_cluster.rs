@@ -1,12 +1,11 @@
 //! `cluster.mode = "postgres"` with separate `weir run` processes, the real
 //! PostgreSQL (a database per test) and RabbitMQ (a topology per test). Every
 //! node writes a journal (`weir::journal`); the journals are checked
-//! together for intra-group overlap and completeness.
+//! together for intra-group overlap and completeness. The failover and
+//! handoff tests run on NATS JetStream too (`*_nats`).
 //!
 //! - `scale_out_and_in_under_load`: 1 → 3 → 2 nodes while messages flow;
 //!   balanced at each step; nothing lost, no overlap.
-//! The failover and handoff tests run on NATS JetStream too (`*_nats`).
-//!
 //! - `failover_after_kill_9_of_a_follower_then_of_the_leader`: the slots of
 //!   a killed node land on exactly one survivor each; then the same for
 //!   the leader. Prints the failover time (kill → first call of the new owner).
@@ -315,7 +314,7 @@ fn failover(topo: &Broker) {
     let mut cluster = Cluster::default();
     let names = ["node-0", "node-1", "node-2"];
     for n in names {
-        cluster.start(n, &config(&topo, &db.url(), n));
+        cluster.start(n, &config(topo, &db.url(), n));
     }
     let before = wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
     let lead = leader(&db).expect("a leader");
@@ -324,7 +323,7 @@ fn failover(topo: &Broker) {
     // Published faster than the cluster handles them (4 ms of CPU each on 2
     // cores), so a backlog of a thousand and more waits at each kill.
     let msgs: Vec<Envelope> = (0..3000).map(|i| slow(&format!("g{}", i % 60), 4)).collect();
-    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(3));
+    let publisher = stream(topo, msgs.clone(), Duration::from_secs(3));
     let mut failovers = Vec::new();
     let mut alive: Vec<&str> = names.to_vec();
     for victim in [follower, lead.as_str()] {
@@ -408,13 +407,13 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
     if no_drain {
         env0.push((weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN, "1"));
     }
-    cluster.start_with_env("node-0", &config(&topo, &db.url(), "node-0"), &env0);
+    cluster.start_with_env("node-0", &config(topo, &db.url(), "node-0"), &env0);
     wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
     let groups = groups_on(&[3, 4, 5]);
     let first: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
-    publish_all(&topo, &first);
+    publish_all(topo, &first);
     std::thread::sleep(Duration::from_millis(200));
-    cluster.start_with_env("node-1", &config(&topo, &db.url(), "node-1"), &[NO_SAC]);
+    cluster.start_with_env("node-1", &config(topo, &db.url(), "node-1"), &[NO_SAC]);
     let moved = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
     for s in [3, 4, 5] {
         assert_eq!(moved[&s], "node-1", "slot {s} moved to the new node: {moved:?}");
@@ -434,7 +433,7 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
     }
     std::thread::sleep(Duration::from_millis(200));
     let second: Vec<Envelope> = (0..4).flat_map(|_| groups.iter().map(|g| slow(g, 100))).collect();
-    publish_all(&topo, &second);
+    publish_all(topo, &second);
     let all: Vec<Envelope> = first.into_iter().chain(second).collect();
     let report = cluster.wait_handled(&ids(&all), Duration::from_secs(120));
     assert!(handled_by(&report, "node-1") > 0, "node-1 took over work");
