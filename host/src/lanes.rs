@@ -426,8 +426,13 @@ impl SlotRunner {
             self.unordered.push_back(d);
             return;
         };
-        let lane = self.lanes.entry(key).or_default();
-        lane.loose = loose;
+        let lane = self.lanes.entry(key).or_insert_with(|| Lane {
+            loose,
+            ..Lane::default()
+        });
+        // Keys of a group and of loose batches could collide: the lane then
+        // keeps order (slower, never unsafe).
+        lane.loose &= loose;
         lane.queue.push_back(Queued {
             d,
             at: Instant::now(),
@@ -710,28 +715,47 @@ async fn admission<'a>(
     permits
 }
 
-/// Run one lane's messages (in order, on one worker) and settle each.
-async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
-    let mut items = Vec::with_capacity(run.len());
+/// [`admit`] each delivery, in order: the messages that go to a handler
+/// and, at the same index, what settling each needs.
+async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<Envelope>, Vec<Pending>) {
+    let mut envs = Vec::with_capacity(run.len());
     let mut pending = Vec::with_capacity(run.len());
     for d in run {
-        if let Some((env, pend)) = admit(&p, &s, d).await {
-            items.push((pend.handler.clone(), env));
+        if let Some((env, pend)) = admit(p, s, d).await {
+            envs.push(env);
             pending.push(pend);
         }
     }
-    if items.is_empty() {
+    (envs, pending)
+}
+
+/// Call `handle` for each item in order on one worker. `None` when the pool
+/// is gone (process shutting down): the deliveries are then neither acked
+/// nor captured, so the broker redelivers them.
+async fn call_each(
+    p: &Pipeline,
+    items: Vec<(Arc<HandlerVersion>, Envelope)>,
+    cancel: Arc<AtomicBool>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    match p.pool.run_each(items, Some(cancel)).await {
+        Ok(o) => Some(o),
+        Err(e) => {
+            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
+            None
+        }
+    }
+}
+
+/// Run one lane's messages (in order, on one worker) and settle each.
+async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
+    let (envs, pending) = admit_all(&p, &s, run).await;
+    if envs.is_empty() {
         return;
     }
+    let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
     let permits = admission(pending.iter().map(|x| &x.handler)).await;
-    let outcomes = match p.pool.run_each(items, Some(cancel)).await {
-        Ok(o) => o,
-        Err(e) => {
-            // The pool is gone (process shutting down): the deliveries are
-            // neither acked nor captured, so the broker redelivers them.
-            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
-            return;
-        }
+    let Some(outcomes) = call_each(&p, items, cancel).await else {
+        return;
     };
     drop(permits);
     settle_all(&p, &s, outcomes, pending).await;
@@ -749,14 +773,7 @@ async fn run_batch(
     members: Vec<Delivery>,
     reason: FlushReason,
 ) {
-    let mut batch = Vec::with_capacity(members.len());
-    let mut pending = Vec::with_capacity(members.len());
-    for d in members {
-        if let Some((env, pend)) = admit(&p, &s, d).await {
-            batch.push(env);
-            pending.push(pend);
-        }
-    }
+    let (batch, pending) = admit_all(&p, &s, members).await;
     // Every member routes to the same handler; one version runs them all
     // (a swap between two lookups must not split the batch).
     let Some(handler) = pending.first().map(|x| x.handler.clone()) else {
@@ -811,13 +828,10 @@ async fn run_batch(
                 fault = %f, "handle-batch failed; replaying its members one at a time through handle"
             );
             let items = batch.into_iter().map(|env| (handler.clone(), env)).collect();
-            match p.pool.run_each(items, Some(cancel)).await {
-                Ok(o) => o,
-                Err(e) => {
-                    tracing::error!(error = %e, "worker pool unavailable; leaving batch members unsettled");
-                    return;
-                }
-            }
+            let Some(outcomes) = call_each(&p, items, cancel).await else {
+                return;
+            };
+            outcomes
         }
     };
     drop(permits);
