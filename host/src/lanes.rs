@@ -969,3 +969,100 @@ async fn publish_cascades(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct NoAck;
+
+    #[async_trait::async_trait]
+    impl Acker for NoAck {
+        async fn settle(self: Box<Self>, _: Disposition) -> Result<(), crate::transport::TransportError> {
+            Ok(())
+        }
+    }
+
+    fn rule(size: usize) -> Arc<BatchRule> {
+        Arc::new(BatchRule {
+            handler: Arc::from("h"),
+            size,
+            linger: Duration::from_millis(20),
+        })
+    }
+
+    fn queued(rule: Option<&Arc<BatchRule>>, group: &str, tenant: &str, at: Instant) -> Queued {
+        let env = envelope::new_message(
+            envelope::fresh_id(),
+            "t",
+            Some(group.to_owned()),
+            Some(tenant.to_owned()),
+            vec![],
+            vec![],
+        );
+        Queued {
+            d: Delivery {
+                message: Ok(env),
+                source: Arc::from("q"),
+                tag: 0,
+                acker: Box::new(NoAck),
+            },
+            at,
+            batch: rule.cloned(),
+        }
+    }
+
+    fn lane(items: Vec<Queued>) -> Lane {
+        Lane {
+            queue: items.into(),
+            ..Lane::default()
+        }
+    }
+
+    fn taken(t: Take) -> (usize, Option<FlushReason>) {
+        match t {
+            Take::Batch(members, reason) => (members.len(), Some(reason)),
+            Take::Wait(_) => (0, None),
+        }
+    }
+
+    #[test]
+    fn a_full_batch_goes_at_size_and_leaves_the_rest() {
+        let (r, now) = (rule(2), Instant::now());
+        let mut l = lane((0..3).map(|_| queued(Some(&r), "g", "a", now)).collect());
+        assert_eq!(taken(take_batch(&mut l, &r, now)), (2, Some(FlushReason::Size)));
+        assert_eq!(l.queue.len(), 1);
+    }
+
+    #[test]
+    fn a_batch_stops_at_another_tenant_group_rule_or_a_single_message() {
+        let (r, other, now) = (rule(10), rule(10), Instant::now());
+        for next in [
+            queued(Some(&r), "g", "b", now),     // another tenant
+            queued(Some(&r), "h", "a", now),     // another group (colliding lane key)
+            queued(Some(&other), "g", "a", now), // another handler's rule
+            queued(None, "g", "a", now),         // a single message
+        ] {
+            let mut l = lane(vec![queued(Some(&r), "g", "a", now), next]);
+            assert_eq!(taken(take_batch(&mut l, &r, now)), (1, Some(FlushReason::Boundary)));
+            assert_eq!(l.queue.len(), 1);
+        }
+    }
+
+    #[test]
+    fn a_partial_batch_waits_until_its_oldest_member_has_lingered() {
+        let (r, start) = (rule(10), Instant::now());
+        let mut l = lane(vec![
+            queued(Some(&r), "g", "a", start),
+            queued(Some(&r), "g", "a", start + Duration::from_millis(15)),
+        ]);
+        match take_batch(&mut l, &r, start + Duration::from_millis(19)) {
+            Take::Wait(until) => assert_eq!(until, start + r.linger),
+            Take::Batch(..) => panic!("ran before the linger"),
+        }
+        assert_eq!(
+            taken(take_batch(&mut l, &r, start + r.linger)),
+            (2, Some(FlushReason::Linger))
+        );
+    }
+}
