@@ -66,8 +66,12 @@ const ALL: [&str; 10] = [
     "e2e-batch-100",
 ];
 
-/// How long a partial batch waits in the e2e batch scenarios.
-const BENCH_LINGER: Duration = Duration::from_millis(5);
+/// How long a partial batch waits in the batch scenarios (`--linger-ms`, default 5).
+static LINGER: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+fn bench_linger() -> Duration {
+    *LINGER.get_or_init(|| Duration::from_millis(5))
+}
 
 #[derive(Debug, Clone)]
 struct Opts {
@@ -100,7 +104,7 @@ struct Opts {
 fn usage() -> String {
     format!(
         "usage: weir-bench [SCENARIO|bare|e2e|all]... [--messages N] [--fresh-messages N] [--bare-messages N] \
-         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--amqp URL] [--nats URL] [--out PATH]\n\
+         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--linger-ms MS] [--amqp URL] [--nats URL] [--out PATH]\n\
          scenarios: {}",
         ALL.join(", ")
     )
@@ -146,6 +150,10 @@ fn parse_args() -> anyhow::Result<Opts> {
             "--workers" => o.workers = usize::try_from(num("--workers")?)?,
             "--prefetch" => o.prefetch = u32::try_from(num("--prefetch")?)?,
             "--batch" => o.batch = u32::try_from(num("--batch")?)?,
+            "--linger-ms" => {
+                let ms = num("--linger-ms")?;
+                let _ = LINGER.set(Duration::from_millis(ms));
+            }
             "--out" => o.out = PathBuf::from(args.next().with_context(usage)?),
             "--amqp" => o.amqp = args.next().with_context(usage)?,
             "--nats" => o.nats = args.next().with_context(usage)?,
@@ -351,7 +359,7 @@ fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Op
             h.batch = Some(config::Batch {
                 message_types: vec![MESSAGE_TYPE.into()],
                 size,
-                linger: BENCH_LINGER,
+                linger: bench_linger(),
             });
             h
         }
@@ -530,7 +538,8 @@ fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str, batch: Option<u
             o.groups,
             o.ungrouped_every,
             batch.map_or_else(String::new, |b| format!(
-                ", handle-batch size {b}, linger {BENCH_LINGER:?}"
+                ", handle-batch size {b}, linger {:?}",
+                bench_linger()
             ))
         ),
     })
@@ -589,7 +598,7 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
         o.groups,
         match o.batch {
             0 => String::new(),
-            b => format!(", weir through handle-batch size {b}, linger {BENCH_LINGER:?}"),
+            b => format!(", weir through handle-batch size {b}, linger {:?}", bench_linger()),
         }
     );
     Ok((

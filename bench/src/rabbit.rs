@@ -140,7 +140,7 @@ fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batch: Option<u
         handler.batch = Some(config::Batch {
             message_types: vec![crate::MESSAGE_TYPE.into()],
             size,
-            linger: crate::BENCH_LINGER,
+            linger: crate::bench_linger(),
         });
     }
     let mut t = config::Topology::new(topo, slots);
