@@ -132,8 +132,8 @@ enum Done {
     Groups(Vec<u64>),
     Unordered,
     Capture,
-    /// A batch of this lane.
-    Batch(u64),
+    /// Batches of these lanes (by lane key; a loose lane may repeat).
+    Batches(Vec<u64>),
 }
 
 impl Done {
@@ -142,7 +142,7 @@ impl Done {
             Done::Groups(_) => LaneKind::Grouped,
             Done::Unordered => LaneKind::Unordered,
             Done::Capture => LaneKind::Capture,
-            Done::Batch(_) => LaneKind::Batch,
+            Done::Batches(_) => LaneKind::Batch,
         }
     }
 }
@@ -485,7 +485,11 @@ impl SlotRunner {
                     self.lane_done(key);
                 }
             }
-            Done::Batch(key) => self.lane_done(key),
+            Done::Batches(keys) => {
+                for key in keys {
+                    self.lane_done(key);
+                }
+            }
             Done::Unordered => self.running_unordered -= 1,
             Done::Capture => {}
         }
@@ -496,7 +500,9 @@ impl SlotRunner {
     /// worker); its size is the backlog shared out over the workers, capped
     /// at `max_run`, so a backlog amortises the hand-off and a trickle still
     /// goes out one message at a time. A lane whose head is a batched
-    /// message gives a batch job of its own instead (or lingers).
+    /// message gives a batch instead (or lingers); the batches taken in one
+    /// round share one job the same way, their members counting towards its
+    /// size.
     fn schedule(&mut self) {
         let workers = self.p.pool.size().max(1);
         let max_run = self.s.max_run.max(1);
@@ -505,7 +511,10 @@ impl SlotRunner {
             let target = (self.queued / workers).clamp(1, max_run);
             let mut run: Vec<Delivery> = Vec::with_capacity(target);
             let mut keys = Vec::new();
-            while run.len() < target && self.running_groups < self.s.max_concurrent_groups {
+            let mut batches = Vec::new();
+            let mut batch_keys = Vec::new();
+            let mut members = 0;
+            while run.len() + members < target && self.running_groups < self.s.max_concurrent_groups {
                 let Some(key) = self.ready.pop_front() else { break };
                 let Some(lane) = self.lanes.get_mut(&key) else { continue };
                 lane.ready = false;
@@ -515,19 +524,17 @@ impl SlotRunner {
                             lane.lingering = Some(until);
                             self.lingering.push(Reverse((until, key)));
                         }
-                        Take::Batch(members, reason) => {
-                            self.queued -= members.len();
+                        Take::Batch(batch, reason) => {
+                            self.queued -= batch.len();
+                            members += batch.len();
                             lane.running += 1;
                             self.running_groups += 1;
                             if lane.can_start() {
                                 lane.ready = true;
                                 self.ready.push_back(key);
                             }
-                            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                            self.inflight.push(Box::pin(async move {
-                                run_batch(p, s, c, members, reason).await;
-                                Done::Batch(key)
-                            }));
+                            batches.push((batch, reason));
+                            batch_keys.push(key);
                         }
                     }
                     continue;
@@ -536,7 +543,7 @@ impl SlotRunner {
                 let n = lane
                     .queue
                     .iter()
-                    .take(target - run.len())
+                    .take(target - run.len() - members)
                     .take_while(|q| q.batch.is_none())
                     .count();
                 run.extend(lane.queue.drain(..n).map(|q| q.d));
@@ -545,14 +552,20 @@ impl SlotRunner {
                 self.running_groups += 1;
                 keys.push(key);
             }
-            if keys.is_empty() {
-                continue;
+            if !batches.is_empty() {
+                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+                self.inflight.push(Box::pin(async move {
+                    run_batches(p, s, c, batches).await;
+                    Done::Batches(batch_keys)
+                }));
             }
-            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-            self.inflight.push(Box::pin(async move {
-                run_lane(p, s, c, run).await;
-                Done::Groups(keys)
-            }));
+            if !keys.is_empty() {
+                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+                self.inflight.push(Box::pin(async move {
+                    run_lane(p, s, c, run).await;
+                    Done::Groups(keys)
+                }));
+            }
         }
         let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
         while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
@@ -761,46 +774,80 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
     settle_all(&p, &s, outcomes, pending).await;
 }
 
-/// Run one batch (members of one tenant, group and handler, in order) through
-/// `handle-batch`, then settle each member by its own result. A call that
-/// traps or times out gives no results: its members are replayed one at a
-/// time through `handle`, unchanged (group, tenant, attempt), and settled by
-/// those calls. A cancelled call releases its members.
-async fn run_batch(
+/// Run batches (each of one tenant, group and handler, in order) through
+/// `handle-batch`, all on one worker, then settle each member by its own
+/// result. A call that traps or times out gives no results: its members are
+/// replayed one at a time through `handle`, unchanged (group, tenant,
+/// attempt), and settled by those calls. A cancelled call releases its
+/// members.
+async fn run_batches(
     p: Arc<Pipeline>,
     s: Arc<SlotSettings>,
     cancel: Arc<AtomicBool>,
-    members: Vec<Delivery>,
-    reason: FlushReason,
+    batches: Vec<(Vec<Delivery>, FlushReason)>,
 ) {
-    let (batch, pending) = admit_all(&p, &s, members).await;
-    // Every member routes to the same handler; one version runs them all
-    // (a swap between two lookups must not split the batch).
-    let Some(handler) = pending.first().map(|x| x.handler.clone()) else {
+    let mut calls = Vec::with_capacity(batches.len());
+    let mut pendings = Vec::with_capacity(batches.len());
+    for (members, reason) in batches {
+        let (batch, pending) = admit_all(&p, &s, members).await;
+        // Every member routes to the same handler; one version runs them
+        // all (a swap between two lookups must not split the batch).
+        let Some(handler) = pending.first().map(|x| x.handler.clone()) else {
+            continue;
+        };
+        p.stats.record_batch(batch.len(), reason);
+        calls.push((handler, batch));
+        pendings.push(pending);
+    }
+    if calls.is_empty() {
         return;
-    };
-    let permits = admission(std::iter::once(&handler)).await;
-    p.stats.record_batch(batch.len(), reason);
-    let (batch, outcome) = match p.pool.run_batch(handler.clone(), batch, Some(cancel.clone())).await {
+    }
+    let permits = admission(calls.iter().map(|(h, _)| h)).await;
+    let handlers: Vec<Arc<HandlerVersion>> = calls.iter().map(|(h, _)| h.clone()).collect();
+    let results = match p.pool.run_batches(calls, Some(cancel.clone())).await {
         Ok(o) => o,
         Err(e) => {
             tracing::error!(error = %e, "worker pool unavailable; leaving batch members unsettled");
             return;
         }
     };
-    let outcomes: Vec<(Envelope, CallOutcome)> = match outcome {
+    let mut settled = Vec::with_capacity(results.len());
+    for ((batch, outcome), handler) in results.into_iter().zip(handlers) {
+        let Some(outcomes) = batch_outcomes(&p, &s, &handler, batch, outcome, &cancel).await else {
+            return;
+        };
+        settled.push(outcomes);
+    }
+    drop(permits);
+    for (outcomes, pending) in settled.into_iter().zip(pendings) {
+        settle_all(&p, &s, outcomes, pending).await;
+    }
+}
+
+/// One outcome per member of a batch call: its own result (after the call's
+/// cascades are published), the replay's result after a trap or timeout, or
+/// the cancellation. `None` when the pool is gone.
+async fn batch_outcomes(
+    p: &Arc<Pipeline>,
+    s: &Arc<SlotSettings>,
+    handler: &Arc<HandlerVersion>,
+    batch: Vec<Envelope>,
+    outcome: BatchOutcome,
+    cancel: &Arc<AtomicBool>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    match outcome {
         BatchOutcome::Done { results, published } => {
             // The call's cascades go out before any member is acked; if they
             // cannot, the members that succeeded are retried like a single
             // message whose cascade failed.
             let cascade_error = if !published.is_empty() && results.iter().any(Result::is_ok) {
-                publish_cascades(&p, &s, published.into_iter().map(|o| o.envelope))
+                publish_cascades(p, s, published.into_iter().map(|o| o.envelope))
                     .await
                     .err()
             } else {
                 None
             };
-            batch
+            let outcomes = batch
                 .into_iter()
                 .zip(results)
                 .map(|(env, result)| {
@@ -814,12 +861,15 @@ async fn run_batch(
                     };
                     (env, done)
                 })
-                .collect()
+                .collect();
+            Some(outcomes)
         }
-        BatchOutcome::Fault(f) if f.kind == FaultKind::Cancelled => batch
-            .into_iter()
-            .map(|env| (env, CallOutcome::Fault(f.clone())))
-            .collect(),
+        BatchOutcome::Fault(f) if f.kind == FaultKind::Cancelled => Some(
+            batch
+                .into_iter()
+                .map(|env| (env, CallOutcome::Fault(f.clone())))
+                .collect(),
+        ),
         BatchOutcome::Fault(f) => {
             p.stats.faults.fetch_add(1, Ordering::Relaxed);
             p.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
@@ -828,14 +878,9 @@ async fn run_batch(
                 fault = %f, "handle-batch failed; replaying its members one at a time through handle"
             );
             let items = batch.into_iter().map(|env| (handler.clone(), env)).collect();
-            let Some(outcomes) = call_each(&p, items, cancel).await else {
-                return;
-            };
-            outcomes
+            call_each(p, items, cancel.clone()).await
         }
-    };
-    drop(permits);
-    settle_all(&p, &s, outcomes, pending).await;
+    }
 }
 
 /// Settle every message of a call by its outcome (the one path single
