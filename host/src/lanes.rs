@@ -11,7 +11,7 @@
 //!
 //! Batching lives inside the lanes, not beside them. A message whose binding
 //! is batched ([`BatchRule`]) waits in its group's lane like any other; when
-//! the lane's head is such a message, the lane's next job is one
+//! the lane's head is such a message, the lane's next work is one
 //! `handle-batch` call over the head's run of members of the same (tenant,
 //! group, handler), up to `size`, in arrival order. The run goes once it is
 //! full, once the next message cannot join it, or once its oldest member has
