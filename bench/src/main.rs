@@ -9,11 +9,18 @@
 //! * `e2e-reuse`, `e2e-fresh` — a whole `Node` on a `MemoryBroker` with the
 //!   bundled noop handler; N messages pre-published; wall time from the node
 //!   being up until `Stats::handled` reaches N.
+//! * `e2e-batch-1`, `e2e-batch-10`, `e2e-batch-100` — `e2e-reuse` with the
+//!   message type configured as batched (`batch = { size, linger = 5ms }`), so
+//!   every message goes through the lanes' batcher and `handle-batch`.
+//!   Batches are per (tenant, group): a batch can only be as big as what one
+//!   group has waiting inside the prefetch window, so pass few `--groups`
+//!   and a large `--prefetch` to see large batches.
 //!
 //! * `rabbitmq-drain` — a backlog of N persistent messages on RabbitMQ
 //!   (`--amqp URL`), drained by a bare lapin consumer (no-op, `multiple` ack
 //!   every 128) and then by a Weir node with the noop guest, same prefetch;
 //!   rows `rmq-bare` and `rmq-weir` and their ratio. Not part of `all`.
+//!   `--batch N` makes the Weir node deliver through `handle-batch` of size N.
 //! * `nats-drain` — the same on NATS JetStream (`--nats URL`): a backlog in
 //!   the file-backed stream, drained by a bare async-nats pull consumer per
 //!   slot (batches of 256, one explicit ack per message) and by a Weir node;
@@ -46,7 +53,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const TOPOLOGY: &str = "bench";
 const MESSAGE_TYPE: &str = "bench.noop";
-const ALL: [&str; 7] = [
+const ALL: [&str; 10] = [
     "bare-reuse",
     "bare-fresh",
     "batch-1",
@@ -54,7 +61,17 @@ const ALL: [&str; 7] = [
     "batch-100",
     "e2e-reuse",
     "e2e-fresh",
+    "e2e-batch-1",
+    "e2e-batch-10",
+    "e2e-batch-100",
 ];
+
+/// How long a partial batch waits in the batch scenarios (`--linger-ms`, default 5).
+static LINGER: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+fn bench_linger() -> Duration {
+    *LINGER.get_or_init(|| Duration::from_millis(5))
+}
 
 #[derive(Debug, Clone)]
 struct Opts {
@@ -75,6 +92,8 @@ struct Opts {
     workers: usize,
     /// `transport.prefetch` (0 = the config default).
     prefetch: u32,
+    /// `rabbitmq-drain`: deliver through `handle-batch` of this size (0 = `handle`).
+    batch: u32,
     /// RabbitMQ for `rabbitmq-drain`.
     amqp: String,
     /// NATS for `nats-drain`.
@@ -85,7 +104,7 @@ struct Opts {
 fn usage() -> String {
     format!(
         "usage: weir-bench [SCENARIO|bare|e2e|all]... [--messages N] [--fresh-messages N] [--bare-messages N] \
-         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--amqp URL] [--nats URL] [--out PATH]\n\
+         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--linger-ms MS] [--amqp URL] [--nats URL] [--out PATH]\n\
          scenarios: {}",
         ALL.join(", ")
     )
@@ -104,6 +123,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         slots: 4,
         workers: 0,
         prefetch: 0,
+        batch: 0,
         amqp: std::env::var("WEIR_BENCH_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
         nats: std::env::var("WEIR_BENCH_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
         out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench/results.json")),
@@ -129,6 +149,11 @@ fn parse_args() -> anyhow::Result<Opts> {
             "--slots" => o.slots = u32::try_from(num("--slots")?)?.max(1),
             "--workers" => o.workers = usize::try_from(num("--workers")?)?,
             "--prefetch" => o.prefetch = u32::try_from(num("--prefetch")?)?,
+            "--batch" => o.batch = u32::try_from(num("--batch")?)?,
+            "--linger-ms" => {
+                let ms = num("--linger-ms")?;
+                let _ = LINGER.set(Duration::from_millis(ms));
+            }
             "--out" => o.out = PathBuf::from(args.next().with_context(usage)?),
             "--amqp" => o.amqp = args.next().with_context(usage)?,
             "--nats" => o.nats = args.next().with_context(usage)?,
@@ -326,8 +351,19 @@ fn bare_batch(rt: &Arc<Runtime>, size: usize, messages: u64, runs: usize, name: 
 
 // ----------------------------------------------------------------- e2e ---
 
-fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode) -> Config {
-    let mut handler = config::Handler::new("noop", "bundled:noop", TOPOLOGY, vec![MESSAGE_TYPE.into()]);
+fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Option<u32>) -> Config {
+    let mut handler = match batch {
+        None => config::Handler::new("noop", "bundled:noop", TOPOLOGY, vec![MESSAGE_TYPE.into()]),
+        Some(size) => {
+            let mut h = config::Handler::new("noop", "bundled:noop", TOPOLOGY, Vec::new());
+            h.batch = Some(config::Batch {
+                message_types: vec![MESSAGE_TYPE.into()],
+                size,
+                linger: bench_linger(),
+            });
+            h
+        }
+    };
     handler.instance_mode = mode;
     Config {
         node: config::Node {
@@ -354,6 +390,8 @@ struct E2eRun {
     startup: Duration,
     handled_at_start: u64,
     publish: Duration,
+    /// Mean members per `handle-batch` call (0 without batching).
+    mean_batch: f64,
 }
 
 fn e2e_once(
@@ -361,8 +399,9 @@ fn e2e_once(
     o: &Opts,
     mode: config::InstanceMode,
     n: u64,
+    batch: Option<u32>,
 ) -> anyhow::Result<E2eRun> {
-    let config = bench_config(o.slots, o.prefetch, mode);
+    let config = bench_config(o.slots, o.prefetch, mode, batch);
     let broker = MemoryBroker::new();
     let transport: Arc<dyn Transport> = Arc::new(broker.clone());
     let cache = o.out.parent().map(|p| p.join("cache"));
@@ -420,6 +459,8 @@ fn e2e_once(
     }
     let wall = t1.elapsed();
     let cpu_ns = process_cpu_ns().saturating_sub(cpu1);
+    let snap = stats.snapshot();
+    let mean_batch = snap.batch_members as f64 / snap.batches().max(1) as f64;
     tokio_rt.block_on(node.shutdown())?;
     let left = broker.total_depth(TOPOLOGY);
     if left != 0 {
@@ -431,10 +472,11 @@ fn e2e_once(
         startup: t1 - t0,
         handled_at_start,
         publish,
+        mean_batch,
     })
 }
 
-fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Result<Row> {
+fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str, batch: Option<u32>) -> anyhow::Result<Row> {
     // The same runtime `weir run` builds: multi-thread, one worker per core.
     let tokio_rt = node::async_runtime()?;
     let n = if mode == config::InstanceMode::Fresh {
@@ -447,7 +489,7 @@ fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Resu
         w => w,
     };
     // Warm-up run (also fills the compiled-code cache), discarded.
-    let w = e2e_once(&tokio_rt, o, mode, (n / 10).max(1000))?;
+    let w = e2e_once(&tokio_rt, o, mode, (n / 10).max(1000), batch)?;
     eprintln!(
         "[weir-bench] {name:<10} warm-up: {:.0} ns/msg (discarded)",
         w.wall.as_nanos() as f64 / (n / 10).max(1000) as f64
@@ -455,20 +497,21 @@ fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Resu
     let mut runs_ns = Vec::new();
     let (mut x_workers, mut cpu, mut startup, mut at_start, mut publish) = (vec![], vec![], vec![], vec![], vec![]);
     for r in 0..o.runs {
-        let run = e2e_once(&tokio_rt, o, mode, n)?;
+        let run = e2e_once(&tokio_rt, o, mode, n, batch)?;
         // Messages handled before `start` returned (the runners start at its
         // very end) are outside the timed window: leave them out.
         let timed = n.saturating_sub(run.handled_at_start).max(1) as f64;
         let ns = run.wall.as_nanos() as f64 / timed;
         let cpu_ns = run.cpu_ns as f64 / timed;
         eprintln!(
-            "[weir-bench] {name:<10} run {}/{}: {n} msgs in {:.3} s = {ns:.0} ns/msg wall, {:.0} msg/s, {cpu_ns:.0} CPU-ns/msg (startup {:.0} ms, {} handled before timing)",
+            "[weir-bench] {name:<10} run {}/{}: {n} msgs in {:.3} s = {ns:.0} ns/msg wall, {:.0} msg/s, {cpu_ns:.0} CPU-ns/msg (startup {:.0} ms, {} handled before timing, mean batch {:.1})",
             r + 1,
             o.runs,
             run.wall.as_secs_f64(),
             1e9 / ns,
             run.startup.as_secs_f64() * 1e3,
-            run.handled_at_start
+            run.handled_at_start,
+            run.mean_batch
         );
         runs_ns.push(ns);
         x_workers.push(ns * workers as f64);
@@ -490,8 +533,14 @@ fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str) -> anyhow::Resu
             ("prepublish_ms", publish),
         ],
         note: format!(
-            "Node on MemoryBroker, {} slots, {} groups, every {}th message ungrouped, {workers} wasm workers",
-            o.slots, o.groups, o.ungrouped_every
+            "Node on MemoryBroker, {} slots, {} groups, every {}th message ungrouped, {workers} wasm workers{}",
+            o.slots,
+            o.groups,
+            o.ungrouped_every,
+            batch.map_or_else(String::new, |b| format!(
+                ", handle-batch size {b}, linger {:?}",
+                bench_linger()
+            ))
         ),
     })
 }
@@ -517,6 +566,7 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
         prefetch16,
         o.workers,
         cache.clone(),
+        (o.batch > 0).then_some(o.batch),
     ))?;
     for r in 0..o.runs {
         let b = tokio_rt.block_on(rabbit::bare(&o.amqp, o.slots, n, o.groups, prefetch16))?;
@@ -528,6 +578,7 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
             prefetch16,
             o.workers,
             cache.clone(),
+            (o.batch > 0).then_some(o.batch),
         ))?;
         let (bns, wns) = (b.wall.as_nanos() as f64 / n as f64, w.wall.as_nanos() as f64 / n as f64);
         eprintln!(
@@ -542,8 +593,13 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
         weir_ns.push(wns);
     }
     let note = format!(
-        "{n} persistent msgs preloaded on {} slot queues, prefetch {prefetch}, {} groups",
-        o.slots, o.groups
+        "{n} persistent msgs preloaded on {} slot queues, prefetch {prefetch}, {} groups{}",
+        o.slots,
+        o.groups,
+        match o.batch {
+            0 => String::new(),
+            b => format!(", weir through handle-batch size {b}, linger {:?}", bench_linger()),
+        }
     );
     Ok((
         Row {
@@ -675,8 +731,11 @@ fn main() -> anyhow::Result<()> {
             ("batch-1", Some(rt)) => bare_batch(rt, 1, o.bare_messages, o.runs, s)?,
             ("batch-10", Some(rt)) => bare_batch(rt, 10, o.bare_messages, o.runs, s)?,
             ("batch-100", Some(rt)) => bare_batch(rt, 100, o.bare_messages, o.runs, s)?,
-            ("e2e-reuse", _) => e2e(&o, config::InstanceMode::Reuse, s)?,
-            ("e2e-fresh", _) => e2e(&o, config::InstanceMode::Fresh, s)?,
+            ("e2e-reuse", _) => e2e(&o, config::InstanceMode::Reuse, s, None)?,
+            ("e2e-fresh", _) => e2e(&o, config::InstanceMode::Fresh, s, None)?,
+            ("e2e-batch-1", _) => e2e(&o, config::InstanceMode::Reuse, s, Some(1))?,
+            ("e2e-batch-10", _) => e2e(&o, config::InstanceMode::Reuse, s, Some(10))?,
+            ("e2e-batch-100", _) => e2e(&o, config::InstanceMode::Reuse, s, Some(100))?,
             ("rabbitmq-drain", _) => {
                 let (bare, weir) = rabbitmq_drain(&o)?;
                 rows.push(bare);

@@ -133,8 +133,16 @@ pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u16) -> 
     result
 }
 
-fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
-    let handler = config::Handler::new("noop", "bundled:noop", topo, vec![crate::MESSAGE_TYPE.into()]);
+fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batch: Option<u32>) -> Config {
+    let mut handler = config::Handler::new("noop", "bundled:noop", topo, vec![crate::MESSAGE_TYPE.into()]);
+    if let Some(size) = batch {
+        handler.message_types.clear();
+        handler.batch = Some(config::Batch {
+            message_types: vec![crate::MESSAGE_TYPE.into()],
+            size,
+            linger: crate::bench_linger(),
+        });
+    }
     let mut t = config::Topology::new(topo, slots);
     t.max_concurrent_groups = 256;
     Config {
@@ -156,6 +164,7 @@ fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
 
 /// Weir with the noop guest on the same backlog; wall time from the node
 /// being up until every message was handled.
+#[allow(clippy::too_many_arguments)]
 pub async fn weir(
     url: &str,
     slots: u32,
@@ -164,11 +173,12 @@ pub async fn weir(
     prefetch: u16,
     workers: usize,
     cache: Option<std::path::PathBuf>,
+    batch: Option<u32>,
 ) -> anyhow::Result<Drain> {
     let topo = topology_name();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
-        let cfg = weir_config(url, &topo, slots, u32::from(prefetch));
+        let cfg = weir_config(url, &topo, slots, u32::from(prefetch), batch);
         let transport: Arc<dyn Transport> = Arc::new(RabbitMq::new(url, "weir-bench node"));
         let opts = NodeOptions {
             workers,

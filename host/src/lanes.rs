@@ -8,10 +8,25 @@
 //! Lanes never queue into each other: a lane's queue holds only what the
 //! broker delivered (bounded by prefetch), and the worker pool's queue is
 //! unbounded, so no cycle of bounded buffers can form.
+//!
+//! Batching lives inside the lanes, not beside them. A message whose binding
+//! is batched ([`BatchRule`]) waits in its group's lane like any other; when
+//! the lane's head is such a message, the lane's next work is one
+//! `handle-batch` call over the head's run of members of the same (tenant,
+//! group, handler), up to `size`, in arrival order. The run goes once it is
+//! full, once the next message cannot join it, or once its oldest member has
+//! waited `linger`; a batch therefore never overlaps its group's other
+//! messages and never waits on a buffer of its own. Batched messages without
+//! a group get a lane per (tenant, handler) that may run several batches at
+//! once (they are unordered). Each member is settled by its own result
+//! through the same code as a single message; a batch call that traps or
+//! times out is replayed member by member through `handle`.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -21,11 +36,11 @@ use crate::envelope::{self, Envelope};
 use crate::partition;
 use crate::retry::capture::{self, Captured, Outcome, Provenance, Reason};
 use crate::retry::schedule::{Redelivery, Schedule, Step};
-use crate::router::Router;
+use crate::router::{BatchRule, Router};
 use crate::runtime::bindings::weir::handler::types::Failure;
 use crate::runtime::pool::WorkerPool;
-use crate::runtime::{CallOutcome, FaultKind, HandlerVersion};
-use crate::stats::Stats;
+use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion};
+use crate::stats::{FlushReason, Stats};
 use crate::transport::{Acker, Delivery, Disposition, Transport};
 
 /// What a node shares between its slot runners.
@@ -81,6 +96,11 @@ pub struct SlotSettings {
     /// unordered. Breaks guarantee 1 on purpose; never set it in production.
     #[doc(hidden)]
     pub bypass_lanes: bool,
+    /// Negative control for tests: run batches in a lane of their own
+    /// instead of their group's (the classic batcher beside the lanes).
+    /// Breaks guarantee 1 on purpose; never set it in production.
+    #[doc(hidden)]
+    pub bypass_batch_lanes: bool,
 }
 
 /// Every kind of work a runner can have in flight. The drain must wait for
@@ -93,11 +113,18 @@ pub enum LaneKind {
     Unordered,
     /// A capture with no handler call (undecodable, no handler).
     Capture,
+    /// One `handle-batch` call (and its replay, if it failed) in a lane.
+    Batch,
 }
 
 impl LaneKind {
     /// All kinds.
-    pub const ALL: [LaneKind; 3] = [LaneKind::Grouped, LaneKind::Unordered, LaneKind::Capture];
+    pub const ALL: [LaneKind; 4] = [
+        LaneKind::Grouped,
+        LaneKind::Unordered,
+        LaneKind::Capture,
+        LaneKind::Batch,
+    ];
 }
 
 enum Done {
@@ -105,6 +132,8 @@ enum Done {
     Groups(Vec<u64>),
     Unordered,
     Capture,
+    /// Batches of these lanes (by lane key; a loose lane may repeat).
+    Batches(Vec<u64>),
 }
 
 impl Done {
@@ -113,15 +142,89 @@ impl Done {
             Done::Groups(_) => LaneKind::Grouped,
             Done::Unordered => LaneKind::Unordered,
             Done::Capture => LaneKind::Capture,
+            Done::Batches(_) => LaneKind::Batch,
         }
+    }
+}
+
+/// A delivery waiting in a lane.
+struct Queued {
+    d: Delivery,
+    /// When the runner took it (a batch's linger counts from its oldest member).
+    at: Instant,
+    /// How it is batched, if it is.
+    batch: Option<Arc<BatchRule>>,
+}
+
+impl Queued {
+    fn env(&self) -> Option<&Envelope> {
+        self.d.message.as_ref().ok()
     }
 }
 
 #[derive(Default)]
 struct Lane {
-    queue: VecDeque<Delivery>,
-    running: bool,
+    queue: VecDeque<Queued>,
+    /// Jobs of this lane in flight (at most one unless `loose`).
+    running: usize,
     ready: bool,
+    /// The head batch waits for more members until then.
+    lingering: Option<Instant>,
+    /// Ungrouped batched messages of one (tenant, handler): no order to keep,
+    /// so several of its batches may run at once.
+    loose: bool,
+}
+
+impl Lane {
+    /// May the scheduler take another job from this lane now?
+    fn can_start(&self) -> bool {
+        !self.queue.is_empty() && (self.running == 0 || self.loose) && self.lingering.is_none()
+    }
+}
+
+/// What the head of a lane gives when its head is a batched message.
+enum Take {
+    /// Run these members now, for this reason.
+    Batch(Vec<Delivery>, FlushReason),
+    /// Not yet: the batch may grow until this instant.
+    Wait(Instant),
+}
+
+/// Take the batch at the head of `lane`: the head and the members after it
+/// of the same rule, tenant and group, up to the rule's size.
+fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant) -> Take {
+    let Some(head) = lane.queue.front() else {
+        return Take::Wait(now);
+    };
+    let (tenant, group) = head
+        .env()
+        .map(|e| (e.tenant_id.clone(), e.group_id.clone()))
+        .unwrap_or_default();
+    let oldest = head.at;
+    let mut n = 0;
+    let mut boundary = false;
+    for q in &lane.queue {
+        if n == rule.size {
+            break;
+        }
+        let joins = q.batch.as_ref().is_some_and(|r| Arc::ptr_eq(r, rule))
+            && q.env().is_some_and(|e| e.tenant_id == tenant && e.group_id == group);
+        if !joins {
+            boundary = true;
+            break;
+        }
+        n += 1;
+    }
+    let reason = if n == rule.size {
+        FlushReason::Size
+    } else if boundary {
+        FlushReason::Boundary
+    } else if now >= oldest + rule.linger {
+        FlushReason::Linger
+    } else {
+        return Take::Wait(oldest + rule.linger);
+    };
+    Take::Batch(lane.queue.drain(..n).map(|q| q.d).collect(), reason)
 }
 
 /// The key of a group's lane: the FNV-1a hash of its id (the same hash the
@@ -130,6 +233,16 @@ struct Lane {
 fn lane_key(group: &str) -> u64 {
     partition::fnv1a_64(group.as_bytes())
 }
+
+/// The lane of ungrouped batched messages of one (tenant, handler).
+fn loose_key(tenant: Option<&str>, handler: &str) -> u64 {
+    let key = format!("\0loose\0{}\0{handler}", tenant.unwrap_or_default());
+    partition::fnv1a_64(key.as_bytes())
+}
+
+/// What `bypass_batch_lanes` mixes into a group's key to give its batches a
+/// lane of their own (the negative control).
+const BYPASS_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
 
 type LaneMap = HashMap<u64, Lane, nohash_hasher::BuildNoHashHasher<u64>>;
 
@@ -154,6 +267,8 @@ pub struct SlotRunner {
     cancel: Arc<AtomicBool>,
     lanes: LaneMap,
     ready: VecDeque<u64>,
+    /// Lanes whose head batch lingers, by deadline (stale entries skipped).
+    lingering: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Messages waiting in lane queues (not yet handed to a worker).
     queued: usize,
     running_groups: usize,
@@ -172,6 +287,7 @@ impl SlotRunner {
             cancel: Arc::new(AtomicBool::new(false)),
             lanes: LaneMap::default(),
             ready: VecDeque::new(),
+            lingering: BinaryHeap::new(),
             queued: 0,
             running_groups: 0,
             unordered: VecDeque::new(),
@@ -198,9 +314,12 @@ impl SlotRunner {
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner started");
         if !*stop.borrow() {
             'consume: loop {
+                let linger = self.lingering.peek().map(|Reverse((at, _))| *at);
+                let wake = linger.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
                 tokio::select! {
                     biased;
                     Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
+                    () = tokio::time::sleep_until(wake.into()), if linger.is_some() => self.wake_lingering(Instant::now()),
                     changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
                     next = sub.next() => match next {
                         Some(Ok(d)) => {
@@ -216,7 +335,7 @@ impl SlotRunner {
                                     }
                                     Some(Err(e)) => {
                                         tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
-                                        self.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                                        self.cancel.store(true, Ordering::Relaxed);
                                         break 'consume;
                                     }
                                     None => break,
@@ -229,7 +348,7 @@ impl SlotRunner {
                             // them to another consumer. Interrupt the calls in
                             // flight so none of them runs alongside that one.
                             tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
-                            self.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                            self.cancel.store(true, Ordering::Relaxed);
                             break;
                         }
                         None => break,
@@ -245,15 +364,21 @@ impl SlotRunner {
         Ok(self.report)
     }
 
-    /// Return every unstarted delivery, then wait for every job in flight.
+    /// Return every unstarted delivery (members of unfinished batches
+    /// included), then wait for every job in flight.
     async fn drain(&mut self) {
         let mut pending: Vec<Delivery> = self.unordered.drain(..).collect();
+        let mut batch_members = 0;
         for lane in self.lanes.values_mut() {
-            pending.extend(lane.queue.drain(..));
+            batch_members += lane.queue.iter().filter(|q| q.batch.is_some()).count() as u64;
+            pending.extend(lane.queue.drain(..).map(|q| q.d));
+            lane.lingering = None;
         }
         self.ready.clear();
+        self.lingering.clear();
         self.queued = 0;
         self.report.released += pending.len() as u64;
+        self.p.stats.batch_released.fetch_add(batch_members, Ordering::Relaxed);
         let stats = self.p.stats.clone();
         futures::future::join_all(pending.into_iter().map(|d| {
             let stats = stats.clone();
@@ -281,16 +406,73 @@ impl SlotRunner {
                 }));
                 return;
             }
-            Ok(env) => env.group().filter(|_| !self.s.bypass_lanes).map(lane_key),
+            Ok(env) => {
+                let batch = self.p.router.batch_rule(&self.s.topology, env).cloned();
+                match (env.group().filter(|_| !self.s.bypass_lanes), batch) {
+                    (Some(g), batch) => {
+                        let salt = if batch.is_some() && self.s.bypass_batch_lanes {
+                            BYPASS_SALT
+                        } else {
+                            0
+                        };
+                        Some((lane_key(g) ^ salt, batch, false))
+                    }
+                    (None, Some(rule)) => Some((loose_key(env.tenant_id.as_deref(), &rule.handler), Some(rule), true)),
+                    (None, None) => None,
+                }
+            }
         };
-        let Some(key) = key else {
+        let Some((key, batch, loose)) = key else {
             self.unordered.push_back(d);
             return;
         };
-        let lane = self.lanes.entry(key).or_default();
-        lane.queue.push_back(d);
+        let lane = self.lanes.entry(key).or_insert_with(|| Lane {
+            loose,
+            ..Lane::default()
+        });
+        // Keys of a group and of loose batches could collide: the lane then
+        // keeps order (slower, never unsafe).
+        lane.loose &= loose;
+        lane.queue.push_back(Queued {
+            d,
+            at: Instant::now(),
+            batch,
+        });
         self.queued += 1;
-        if !lane.running && !lane.ready {
+        // A lingering batch may be complete now: look again.
+        lane.lingering = None;
+        if lane.can_start() && !lane.ready {
+            lane.ready = true;
+            self.ready.push_back(key);
+        }
+    }
+
+    /// Batches whose linger ran out go back to the ready queue.
+    fn wake_lingering(&mut self, now: Instant) {
+        while let Some(Reverse((at, key))) = self.lingering.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.lingering.pop();
+            let Some(lane) = self.lanes.get_mut(&key) else { continue };
+            if lane.lingering != Some(at) {
+                continue; // stale: the lane was looked at again since
+            }
+            lane.lingering = None;
+            if lane.can_start() && !lane.ready {
+                lane.ready = true;
+                self.ready.push_back(key);
+            }
+        }
+    }
+
+    fn lane_done(&mut self, key: u64) {
+        self.running_groups -= 1;
+        let Some(lane) = self.lanes.get_mut(&key) else { return };
+        lane.running -= 1;
+        if lane.queue.is_empty() && lane.running == 0 {
+            self.lanes.remove(&key);
+        } else if lane.can_start() && !lane.ready {
             lane.ready = true;
             self.ready.push_back(key);
         }
@@ -300,15 +482,12 @@ impl SlotRunner {
         match done {
             Done::Groups(keys) => {
                 for key in keys {
-                    self.running_groups -= 1;
-                    let Some(lane) = self.lanes.get_mut(&key) else { continue };
-                    lane.running = false;
-                    if lane.queue.is_empty() {
-                        self.lanes.remove(&key);
-                    } else if !lane.ready {
-                        lane.ready = true;
-                        self.ready.push_back(key);
-                    }
+                    self.lane_done(key);
+                }
+            }
+            Done::Batches(keys) => {
+                for key in keys {
+                    self.lane_done(key);
                 }
             }
             Done::Unordered => self.running_unordered -= 1,
@@ -320,33 +499,73 @@ impl SlotRunner {
     /// several lanes (each lane's in order, one lane after another, on one
     /// worker); its size is the backlog shared out over the workers, capped
     /// at `max_run`, so a backlog amortises the hand-off and a trickle still
-    /// goes out one message at a time.
+    /// goes out one message at a time. A lane whose head is a batched
+    /// message gives a batch instead (or lingers); the batches taken in one
+    /// round share one job the same way, their members counting towards its
+    /// size.
     fn schedule(&mut self) {
         let workers = self.p.pool.size().max(1);
         let max_run = self.s.max_run.max(1);
+        let now = Instant::now();
         while self.running_groups < self.s.max_concurrent_groups && !self.ready.is_empty() {
             let target = (self.queued / workers).clamp(1, max_run);
             let mut run: Vec<Delivery> = Vec::with_capacity(target);
             let mut keys = Vec::new();
-            while run.len() < target && self.running_groups < self.s.max_concurrent_groups {
+            let mut batches = Vec::new();
+            let mut batch_keys = Vec::new();
+            let mut members = 0;
+            while run.len() + members < target && self.running_groups < self.s.max_concurrent_groups {
                 let Some(key) = self.ready.pop_front() else { break };
                 let Some(lane) = self.lanes.get_mut(&key) else { continue };
                 lane.ready = false;
-                let n = lane.queue.len().min(target - run.len());
-                run.extend(lane.queue.drain(..n));
+                if let Some(rule) = lane.queue.front().and_then(|q| q.batch.clone()) {
+                    match take_batch(lane, &rule, now) {
+                        Take::Wait(until) => {
+                            lane.lingering = Some(until);
+                            self.lingering.push(Reverse((until, key)));
+                        }
+                        Take::Batch(batch, reason) => {
+                            self.queued -= batch.len();
+                            members += batch.len();
+                            lane.running += 1;
+                            self.running_groups += 1;
+                            if lane.can_start() {
+                                lane.ready = true;
+                                self.ready.push_back(key);
+                            }
+                            batches.push((batch, reason));
+                            batch_keys.push(key);
+                        }
+                    }
+                    continue;
+                }
+                // Single messages up to the next batched one.
+                let n = lane
+                    .queue
+                    .iter()
+                    .take(target - run.len() - members)
+                    .take_while(|q| q.batch.is_none())
+                    .count();
+                run.extend(lane.queue.drain(..n).map(|q| q.d));
                 self.queued -= n;
-                lane.running = true;
+                lane.running += 1;
                 self.running_groups += 1;
                 keys.push(key);
             }
-            if keys.is_empty() {
-                break;
+            if !batches.is_empty() {
+                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+                self.inflight.push(Box::pin(async move {
+                    run_batches(p, s, c, batches).await;
+                    Done::Batches(batch_keys)
+                }));
             }
-            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-            self.inflight.push(Box::pin(async move {
-                run_lane(p, s, c, run).await;
-                Done::Groups(keys)
-            }));
+            if !keys.is_empty() {
+                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+                self.inflight.push(Box::pin(async move {
+                    run_lane(p, s, c, run).await;
+                    Done::Groups(keys)
+                }));
+            }
         }
         let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
         while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
@@ -445,60 +664,58 @@ struct Pending {
     handler: Arc<HandlerVersion>,
 }
 
-/// Run one lane's messages (in order, on one worker) and settle each.
-async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
-    let mut items = Vec::with_capacity(run.len());
-    let mut pending = Vec::with_capacity(run.len());
-    for d in run {
-        let Delivery {
-            message,
-            source,
-            tag,
-            acker,
-        } = d;
-        let env = match message {
-            Ok(env) => env,
-            Err(_) => continue, // undecodable deliveries never reach a lane
-        };
-        if let Some(last) = capture_retry(&s.schedule, env.attempt) {
+/// Take a delivery into a call: a delivery kept in reserve for a capture
+/// retry, or one with no handler, is captured here (and `None` returned);
+/// otherwise the message and what settling it needs.
+async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope, Pending)> {
+    let Delivery {
+        message,
+        source,
+        tag,
+        acker,
+    } = d;
+    // Undecodable deliveries never reach a lane.
+    let env = message.ok()?;
+    if let Some(last) = capture_retry(&s.schedule, env.attempt) {
+        let error = format!(
+            "delivery {} comes after the handler's last ({last}): it is kept in reserve to retry a \
+             dead-letter capture that failed, so the handler does not run again",
+            env.attempt
+        );
+        let outcome = capture_envelope(p, s, &env, acker, Reason::Exhausted, &error, &source, None, tag).await;
+        p.record(&env.id, outcome);
+        return None;
+    }
+    match p.router.route(&s.topology, &env) {
+        Some(handler) => Some((
+            env,
+            Pending {
+                acker,
+                source,
+                tag,
+                handler,
+            },
+        )),
+        None => {
             let error = format!(
-                "delivery {} comes after the handler's last ({last}): it is kept in reserve to retry a \
-                 dead-letter capture that failed, so the handler does not run again",
-                env.attempt
+                "no handler for message type `{}` (tenant {}) in topology `{}`",
+                env.message_type,
+                env.tenant_id.as_deref().unwrap_or("none"),
+                s.topology
             );
-            let outcome = capture_envelope(&p, &s, &env, acker, Reason::Exhausted, &error, &source, None, tag).await;
+            let outcome = capture_envelope(p, s, &env, acker, Reason::NoHandler, &error, &source, None, tag).await;
             p.record(&env.id, outcome);
-            continue;
-        }
-        match p.router.route(&s.topology, &env) {
-            Some(handler) => {
-                items.push((handler.clone(), env));
-                pending.push(Pending {
-                    acker,
-                    source,
-                    tag,
-                    handler,
-                });
-            }
-            None => {
-                let error = format!(
-                    "no handler for message type `{}` (tenant {}) in topology `{}`",
-                    env.message_type,
-                    env.tenant_id.as_deref().unwrap_or("none"),
-                    s.topology
-                );
-                let outcome =
-                    capture_envelope(&p, &s, &env, acker, Reason::NoHandler, &error, &source, None, tag).await;
-                p.record(&env.id, outcome);
-            }
+            None
         }
     }
-    if items.is_empty() {
-        return;
-    }
-    // Admission per handler (`limits.instances`), acquired in a fixed order
-    // so two lanes can never each hold what the other waits for.
-    let mut handlers: Vec<&Arc<HandlerVersion>> = pending.iter().map(|x| &x.handler).collect();
+}
+
+/// Admission per handler (`limits.instances`), acquired in a fixed order
+/// so two lanes can never each hold what the other waits for.
+async fn admission<'a>(
+    handlers: impl Iterator<Item = &'a Arc<HandlerVersion>>,
+) -> Vec<tokio::sync::OwnedSemaphorePermit> {
+    let mut handlers: Vec<&Arc<HandlerVersion>> = handlers.collect();
     handlers.sort_by_key(|h| h.id);
     handlers.dedup_by_key(|h| h.id);
     let mut permits = Vec::with_capacity(handlers.len());
@@ -508,16 +725,172 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
             Err(_) => tracing::error!(handler = h.name(), "handler admission closed"),
         }
     }
-    let outcomes = match p.pool.run_each(items, Some(cancel)).await {
+    permits
+}
+
+/// [`admit`] each delivery, in order: the messages that go to a handler
+/// and, at the same index, what settling each needs.
+async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<Envelope>, Vec<Pending>) {
+    let mut envs = Vec::with_capacity(run.len());
+    let mut pending = Vec::with_capacity(run.len());
+    for d in run {
+        if let Some((env, pend)) = admit(p, s, d).await {
+            envs.push(env);
+            pending.push(pend);
+        }
+    }
+    (envs, pending)
+}
+
+/// Call `handle` for each item in order on one worker. `None` when the pool
+/// is gone (process shutting down): the deliveries are then neither acked
+/// nor captured, so the broker redelivers them.
+async fn call_each(
+    p: &Pipeline,
+    items: Vec<(Arc<HandlerVersion>, Envelope)>,
+    cancel: Arc<AtomicBool>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    match p.pool.run_each(items, Some(cancel)).await {
+        Ok(o) => Some(o),
+        Err(e) => {
+            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
+            None
+        }
+    }
+}
+
+/// Run one lane's messages (in order, on one worker) and settle each.
+async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
+    let (envs, pending) = admit_all(&p, &s, run).await;
+    if envs.is_empty() {
+        return;
+    }
+    let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
+    let permits = admission(pending.iter().map(|x| &x.handler)).await;
+    let Some(outcomes) = call_each(&p, items, cancel).await else {
+        return;
+    };
+    drop(permits);
+    settle_all(&p, &s, outcomes, pending).await;
+}
+
+/// Run batches (each of one tenant, group and handler, in order) through
+/// `handle-batch`, all on one worker, then settle each member by its own
+/// result. A call that traps or times out gives no results: its members are
+/// replayed one at a time through `handle`, unchanged (group, tenant,
+/// attempt), and settled by those calls. A cancelled call releases its
+/// members.
+async fn run_batches(
+    p: Arc<Pipeline>,
+    s: Arc<SlotSettings>,
+    cancel: Arc<AtomicBool>,
+    batches: Vec<(Vec<Delivery>, FlushReason)>,
+) {
+    let mut calls = Vec::with_capacity(batches.len());
+    let mut pendings = Vec::with_capacity(batches.len());
+    for (members, reason) in batches {
+        let (batch, pending) = admit_all(&p, &s, members).await;
+        // Every member routes to the same handler; one version runs them
+        // all (a swap between two lookups must not split the batch).
+        let Some(handler) = pending.first().map(|x| x.handler.clone()) else {
+            continue;
+        };
+        p.stats.record_batch(batch.len(), reason);
+        calls.push((handler, batch));
+        pendings.push(pending);
+    }
+    if calls.is_empty() {
+        return;
+    }
+    let permits = admission(calls.iter().map(|(h, _)| h)).await;
+    let handlers: Vec<Arc<HandlerVersion>> = calls.iter().map(|(h, _)| h.clone()).collect();
+    let results = match p.pool.run_batches(calls, Some(cancel.clone())).await {
         Ok(o) => o,
         Err(e) => {
-            // The pool is gone (process shutting down): the deliveries are
-            // neither acked nor captured, so the broker redelivers them.
-            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
+            tracing::error!(error = %e, "worker pool unavailable; leaving batch members unsettled");
             return;
         }
     };
+    let mut settled = Vec::with_capacity(results.len());
+    for ((batch, outcome), handler) in results.into_iter().zip(handlers) {
+        let Some(outcomes) = batch_outcomes(&p, &s, &handler, batch, outcome, &cancel).await else {
+            return;
+        };
+        settled.push(outcomes);
+    }
     drop(permits);
+    for (outcomes, pending) in settled.into_iter().zip(pendings) {
+        settle_all(&p, &s, outcomes, pending).await;
+    }
+}
+
+/// One outcome per member of a batch call: its own result (after the call's
+/// cascades are published), the replay's result after a trap or timeout, or
+/// the cancellation. `None` when the pool is gone.
+async fn batch_outcomes(
+    p: &Arc<Pipeline>,
+    s: &Arc<SlotSettings>,
+    handler: &Arc<HandlerVersion>,
+    batch: Vec<Envelope>,
+    outcome: BatchOutcome,
+    cancel: &Arc<AtomicBool>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    match outcome {
+        BatchOutcome::Done { results, published } => {
+            // The call's cascades go out before any member is acked; if they
+            // cannot, the members that succeeded are retried like a single
+            // message whose cascade failed.
+            let cascade_error = if !published.is_empty() && results.iter().any(Result::is_ok) {
+                publish_cascades(p, s, published.into_iter().map(|o| o.envelope))
+                    .await
+                    .err()
+            } else {
+                None
+            };
+            let outcomes = batch
+                .into_iter()
+                .zip(results)
+                .map(|(env, result)| {
+                    let result = match (result, &cascade_error) {
+                        (Ok(()), Some(e)) => Err(Failure::Retry(format!("cascaded publish of its batch failed: {e}"))),
+                        (result, _) => result,
+                    };
+                    let done = CallOutcome::Done {
+                        result,
+                        published: Vec::new(),
+                    };
+                    (env, done)
+                })
+                .collect();
+            Some(outcomes)
+        }
+        BatchOutcome::Fault(f) if f.kind == FaultKind::Cancelled => Some(
+            batch
+                .into_iter()
+                .map(|env| (env, CallOutcome::Fault(f.clone())))
+                .collect(),
+        ),
+        BatchOutcome::Fault(f) => {
+            p.stats.faults.fetch_add(1, Ordering::Relaxed);
+            p.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                handler = handler.name(), group = batch.first().and_then(|e| e.group()), members = batch.len(),
+                fault = %f, "handle-batch failed; replaying its members one at a time through handle"
+            );
+            let items = batch.into_iter().map(|env| (handler.clone(), env)).collect();
+            call_each(p, items, cancel.clone()).await
+        }
+    }
+}
+
+/// Settle every message of a call by its outcome (the one path single
+/// messages and batch members share).
+async fn settle_all(
+    p: &Arc<Pipeline>,
+    s: &Arc<SlotSettings>,
+    outcomes: Vec<(Envelope, CallOutcome)>,
+    pending: Vec<Pending>,
+) {
     // The common case, handled with nothing to publish, only needs its ack:
     // settle those in order right here. Everything else (cascades to
     // confirm, retries, captures) may wait on the broker, so those settle
@@ -530,7 +903,7 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
                 published,
             } if published.is_empty() => {
                 if let Err(e) = pend.acker.settle(Disposition::Ack).await {
-                    p.stats.ack_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    p.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
                 }
                 p.record(&env.id, Outcome::Handled);
@@ -565,7 +938,7 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
         } => match publish_cascades(p, s, published.into_iter().map(|o| o.envelope)).await {
             Ok(()) => {
                 if let Err(e) = acker.settle(Disposition::Ack).await {
-                    p.stats.ack_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    p.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");
                 }
                 return Outcome::Handled;
@@ -594,7 +967,7 @@ async fn settle(p: &Pipeline, s: &SlotSettings, env: Envelope, outcome: CallOutc
             ..
         } => (reason, Reason::Exhausted),
         CallOutcome::Fault(f) => {
-            p.stats.faults.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            p.stats.faults.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(handler = handler.name(), message = %env.id, attempt = env.attempt, fault = %f, "guest fault");
             match f.kind {
                 FaultKind::Cancelled => {
@@ -637,7 +1010,104 @@ async fn publish_cascades(
     for env in out {
         let slot = partition::slot_for(env.group(), &env.id, s.slots);
         p.transport.publish(&s.topology, slot, envelope::encode(&env)).await?;
-        p.stats.cascaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        p.stats.cascaded.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct NoAck;
+
+    #[async_trait::async_trait]
+    impl Acker for NoAck {
+        async fn settle(self: Box<Self>, _: Disposition) -> Result<(), crate::transport::TransportError> {
+            Ok(())
+        }
+    }
+
+    fn rule(size: usize) -> Arc<BatchRule> {
+        Arc::new(BatchRule {
+            handler: Arc::from("h"),
+            size,
+            linger: Duration::from_millis(20),
+        })
+    }
+
+    fn queued(rule: Option<&Arc<BatchRule>>, group: &str, tenant: &str, at: Instant) -> Queued {
+        let env = envelope::new_message(
+            envelope::fresh_id(),
+            "t",
+            Some(group.to_owned()),
+            Some(tenant.to_owned()),
+            vec![],
+            vec![],
+        );
+        Queued {
+            d: Delivery {
+                message: Ok(env),
+                source: Arc::from("q"),
+                tag: 0,
+                acker: Box::new(NoAck),
+            },
+            at,
+            batch: rule.cloned(),
+        }
+    }
+
+    fn lane(items: Vec<Queued>) -> Lane {
+        Lane {
+            queue: items.into(),
+            ..Lane::default()
+        }
+    }
+
+    fn taken(t: Take) -> (usize, Option<FlushReason>) {
+        match t {
+            Take::Batch(members, reason) => (members.len(), Some(reason)),
+            Take::Wait(_) => (0, None),
+        }
+    }
+
+    #[test]
+    fn a_full_batch_goes_at_size_and_leaves_the_rest() {
+        let (r, now) = (rule(2), Instant::now());
+        let mut l = lane((0..3).map(|_| queued(Some(&r), "g", "a", now)).collect());
+        assert_eq!(taken(take_batch(&mut l, &r, now)), (2, Some(FlushReason::Size)));
+        assert_eq!(l.queue.len(), 1);
+    }
+
+    #[test]
+    fn a_batch_stops_at_another_tenant_group_rule_or_a_single_message() {
+        let (r, other, now) = (rule(10), rule(10), Instant::now());
+        for next in [
+            queued(Some(&r), "g", "b", now),     // another tenant
+            queued(Some(&r), "h", "a", now),     // another group (colliding lane key)
+            queued(Some(&other), "g", "a", now), // another handler's rule
+            queued(None, "g", "a", now),         // a single message
+        ] {
+            let mut l = lane(vec![queued(Some(&r), "g", "a", now), next]);
+            assert_eq!(taken(take_batch(&mut l, &r, now)), (1, Some(FlushReason::Boundary)));
+            assert_eq!(l.queue.len(), 1);
+        }
+    }
+
+    #[test]
+    fn a_partial_batch_waits_until_its_oldest_member_has_lingered() {
+        let (r, start) = (rule(10), Instant::now());
+        let mut l = lane(vec![
+            queued(Some(&r), "g", "a", start),
+            queued(Some(&r), "g", "a", start + Duration::from_millis(15)),
+        ]);
+        match take_batch(&mut l, &r, start + Duration::from_millis(19)) {
+            Take::Wait(until) => assert_eq!(until, start + r.linger),
+            Take::Batch(..) => panic!("ran before the linger"),
+        }
+        assert_eq!(
+            taken(take_batch(&mut l, &r, start + r.linger)),
+            (2, Some(FlushReason::Linger))
+        );
+    }
 }

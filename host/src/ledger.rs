@@ -28,6 +28,8 @@ pub struct Ledger {
     overlaps: AtomicU64,
     out_of_order: AtomicU64,
     calls: AtomicU64,
+    batches: AtomicU64,
+    mixed_batches: AtomicU64,
     peak_groups: AtomicUsize,
 }
 
@@ -52,6 +54,16 @@ impl Ledger {
         self.calls.load(Ordering::Relaxed)
     }
 
+    /// `handle-batch` calls observed (their members count in [`Ledger::calls`]).
+    pub fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
+    /// Batches whose members did not all share one tenant and one group.
+    pub fn mixed_batches(&self) -> u64 {
+        self.mixed_batches.load(Ordering::Relaxed)
+    }
+
     /// Most groups seen running at the same moment.
     pub fn peak_groups(&self) -> usize {
         self.peak_groups.load(Ordering::Relaxed)
@@ -65,6 +77,21 @@ impl Ledger {
     /// Distinct groups that had a call.
     pub fn groups(&self) -> usize {
         self.last_seq.lock().len()
+    }
+}
+
+impl Ledger {
+    /// Check `msg`'s position against the latest started in `group`.
+    fn note_seq(&self, group: &str, msg: &Envelope) {
+        let seq = msg.header(SEQ_HEADER).and_then(|s| s.parse::<u64>().ok());
+        let mut last = self.last_seq.lock();
+        let entry = last.entry(group.to_owned()).or_insert(0);
+        if let Some(seq) = seq {
+            if seq < *entry {
+                self.out_of_order.fetch_add(1, Ordering::Relaxed);
+            }
+            *entry = (*entry).max(seq);
+        }
     }
 }
 
@@ -82,14 +109,26 @@ impl CallObserver for Ledger {
             }
             self.peak_groups.fetch_max(claims.len(), Ordering::Relaxed);
         }
-        let seq = msg.header(SEQ_HEADER).and_then(|s| s.parse::<u64>().ok());
-        let mut last = self.last_seq.lock();
-        let entry = last.entry(group.to_owned()).or_insert(0);
-        if let Some(seq) = seq {
-            if seq < *entry {
-                self.out_of_order.fetch_add(1, Ordering::Relaxed);
-            }
-            *entry = (*entry).max(seq);
+        self.note_seq(group, msg);
+    }
+
+    /// One call for the whole batch: one claim on its group, every member
+    /// counted, and a batch mixing tenants or groups counted as mixed.
+    fn before_batch(&self, batch: &[Envelope]) {
+        let Some(first) = batch.first() else { return };
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.calls
+            .fetch_add(batch.len().saturating_sub(1) as u64, Ordering::Relaxed);
+        if batch
+            .iter()
+            .any(|m| m.group() != first.group() || m.tenant_id != first.tenant_id)
+        {
+            self.mixed_batches.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(message = %first.id, "ledger: a batch mixes tenants or groups");
+        }
+        self.before(first);
+        if let Some(group) = first.group() {
+            batch[1..].iter().for_each(|m| self.note_seq(group, m));
         }
     }
 

@@ -68,6 +68,9 @@ pub struct NodeOptions {
     /// Negative control for tests: ignore groups. Never in production.
     #[doc(hidden)]
     pub bypass_lanes: bool,
+    /// Negative control for tests: batches run outside their group's lane.
+    #[doc(hidden)]
+    pub bypass_batch_lanes: bool,
 }
 
 /// A running node.
@@ -261,6 +264,14 @@ impl Node {
                     bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
                 }
             }
+            if let Some(b) = &h.batch {
+                let rule = crate::router::BatchRule {
+                    handler: Arc::from(h.name.as_str()),
+                    size: b.size as usize,
+                    linger: b.linger,
+                };
+                router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
+            }
         }
         for v in versions {
             router.install(v);
@@ -322,6 +333,7 @@ impl Node {
                     max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
                     schedule,
                     bypass_lanes: opts.bypass_lanes,
+                    bypass_batch_lanes: opts.bypass_batch_lanes,
                 },
             );
             owned.extend(slots.into_iter().map(|slot| (t.name.clone(), slot)));

@@ -1,20 +1,48 @@
 //! Which handler gets a message: bindings from (topology, tenant, message
 //! type) to a handler name, and the current version of each handler.
 //! A binding for the message's tenant wins over a binding for any tenant.
+//! A binding may be batched ([`BatchRule`]): its messages go to `handle-batch`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::RwLock;
 
 use crate::envelope::Envelope;
 use crate::runtime::HandlerVersion;
 
+/// How a batched binding collects its messages (`handler.batch`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRule {
+    /// The handler whose `handle-batch` gets the batch.
+    pub handler: Arc<str>,
+    /// Most members in one batch (at least 1).
+    pub size: usize,
+    /// Longest a member waits for more to join before the batch runs.
+    pub linger: Duration,
+}
+
+/// Where one (topology, tenant, message type) goes.
+struct Binding {
+    handler: String,
+    batch: Option<Arc<BatchRule>>,
+}
+
+impl Binding {
+    fn single(handler: &str) -> Self {
+        Self {
+            handler: handler.to_owned(),
+            batch: None,
+        }
+    }
+}
+
 /// Handlers of one message type: per tenant, and for any tenant.
 #[derive(Default)]
 struct ByTenant {
-    any: Option<String>,
-    tenants: HashMap<String, String>,
+    any: Option<Binding>,
+    tenants: HashMap<String, Binding>,
 }
 
 /// Bindings and handler versions. Swapping a version is one write here; the
@@ -43,10 +71,39 @@ impl Router {
             .or_default()
             .entry(message_type.to_owned())
             .or_default();
-        match tenant {
-            Some(t) => by_tenant.tenants.insert(t.to_owned(), handler.to_owned()),
-            None => by_tenant.any.replace(handler.to_owned()),
+        let old = match tenant {
+            Some(t) => by_tenant.tenants.insert(t.to_owned(), Binding::single(handler)),
+            None => by_tenant.any.replace(Binding::single(handler)),
+        };
+        old.map(|b| b.handler)
+    }
+
+    /// Deliver the already bound `message_types` of `topology` (for `tenant`,
+    /// or any tenant) in batches by `rule`. Types bound to another handler
+    /// than `rule.handler` are left alone; returns how many became batched.
+    pub fn batch(&mut self, topology: &str, tenant: Option<&str>, message_types: &[String], rule: BatchRule) -> usize {
+        let rule = Arc::new(BatchRule {
+            size: rule.size.max(1),
+            ..rule
+        });
+        let Some(types) = self.bindings.get_mut(topology) else {
+            return 0;
+        };
+        let mut n = 0;
+        for t in message_types {
+            let Some(by_tenant) = types.get_mut(t.as_str()) else {
+                continue;
+            };
+            let binding = match tenant {
+                Some(x) => by_tenant.tenants.get_mut(x),
+                None => by_tenant.any.as_mut(),
+            };
+            if let Some(b) = binding.filter(|b| *b.handler == *rule.handler) {
+                b.batch = Some(rule.clone());
+                n += 1;
+            }
         }
+        n
     }
 
     /// Install or replace the current version of a handler; the old one is retired.
@@ -75,13 +132,20 @@ impl Router {
 
     /// The name of the handler bound for a message.
     pub fn handler_name(&self, topology: &str, env: &Envelope) -> Option<&str> {
+        Some(self.binding(topology, env)?.handler.as_str())
+    }
+
+    /// How a message is batched, or `None` when it goes to `handle` alone.
+    pub fn batch_rule(&self, topology: &str, env: &Envelope) -> Option<&Arc<BatchRule>> {
+        self.binding(topology, env)?.batch.as_ref()
+    }
+
+    fn binding(&self, topology: &str, env: &Envelope) -> Option<&Binding> {
         let by_tenant = self.bindings.get(topology)?.get(env.message_type.as_str())?;
-        let name = env
-            .tenant_id
+        env.tenant_id
             .as_deref()
             .and_then(|t| by_tenant.tenants.get(t))
-            .or(by_tenant.any.as_ref())?;
-        Some(name)
+            .or(by_tenant.any.as_ref())
     }
 }
 
@@ -106,5 +170,28 @@ mod tests {
         assert_eq!(key(&msg("b", None)), None);
         assert_eq!(r.handler_name("other-topology", &msg("a", None)), None);
         assert_eq!(r.bind("t", None, "a", "again").as_deref(), Some("generic"));
+    }
+
+    #[test]
+    fn batch_rules_follow_the_binding_of_their_tenant_and_handler() {
+        let mut r = Router::new();
+        r.bind("t", None, "line", "orders");
+        r.bind("t", Some("acme"), "line", "acme-orders");
+        r.bind("t", None, "single", "orders");
+        let rule = BatchRule {
+            handler: Arc::from("orders"),
+            size: 0,
+            linger: Duration::from_millis(20),
+        };
+        // Only the any-tenant binding of `line` belongs to `orders`.
+        assert_eq!(r.batch("t", None, &["line".into(), "unbound".into()], rule), 1);
+        let got = r.batch_rule("t", &msg("line", Some("other"))).expect("batched");
+        assert_eq!((got.size, &*got.handler), (1, "orders"), "size 0 is raised to 1");
+        assert!(
+            r.batch_rule("t", &msg("line", Some("acme"))).is_none(),
+            "acme's own binding is not batched"
+        );
+        assert!(r.batch_rule("t", &msg("single", None)).is_none());
+        assert!(r.batch_rule("other", &msg("line", None)).is_none());
     }
 }

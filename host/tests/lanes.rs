@@ -29,7 +29,12 @@ fn config(slots: u32, max_groups: u32) -> Config {
         max_deliver: Some(3),
         ..Default::default()
     });
-    let h = config::Handler::new("faulty", bundled::FAULTY_PATH, TOPO, vec!["slow".into(), "ok".into()]);
+    let mut h = config::Handler::new("faulty", bundled::FAULTY_PATH, TOPO, vec!["slow".into(), "ok".into()]);
+    h.batch = Some(config::Batch {
+        message_types: vec!["batch.slow".into()],
+        size: 10,
+        linger: Duration::from_millis(1),
+    });
     Config {
         node: config::Node {
             name: "lanes-test".into(),
@@ -225,6 +230,12 @@ async fn drain_waits_for_every_lane_kind() {
                 node.publish(TOPO, &m).await.unwrap();
                 m.id
             }
+            LaneKind::Batch => {
+                let mut m = slow(Some("g"), work.as_millis() as u64, 0);
+                m.message_type = "batch.slow".into();
+                node.publish(TOPO, &m).await.unwrap();
+                m.id
+            }
             LaneKind::Capture => {
                 // An undecodable message whose capture takes `work`.
                 broker
@@ -254,7 +265,7 @@ async fn drain_waits_for_every_lane_kind() {
         let outcome = ledger.outcomes().get(&id).copied();
         let expected = match kind {
             LaneKind::Capture => Some(Outcome::DeadLettered(Reason::Undecodable)),
-            LaneKind::Grouped | LaneKind::Unordered => Some(Outcome::Handled),
+            LaneKind::Grouped | LaneKind::Unordered | LaneKind::Batch => Some(Outcome::Handled),
         };
         let wire_id = if kind == LaneKind::Capture {
             "raw-1"

@@ -204,6 +204,20 @@ pub trait CallObserver: Send + Sync {
     fn before(&self, msg: &Envelope);
     /// Right after it returned, trapped or was interrupted.
     fn after(&self, msg: &Envelope);
+    /// Right before `handle-batch` is entered for `batch` (never empty). One
+    /// call, so by default it is seen as one call of its first member (a
+    /// batch is one (tenant, group)); override to see every member.
+    fn before_batch(&self, batch: &[Envelope]) {
+        if let Some(first) = batch.first() {
+            self.before(first);
+        }
+    }
+    /// Right after `handle-batch` returned, trapped or was interrupted.
+    fn after_batch(&self, batch: &[Envelope]) {
+        if let Some(first) = batch.first() {
+            self.after(first);
+        }
+    }
 }
 
 /// The engine, the linker and the epoch ticker.
@@ -586,11 +600,11 @@ impl Executor {
         };
         Self::arm(&mut inst, version, first, cancel);
         if let Some(o) = &self.runtime.observer {
-            batch.iter().for_each(|m| o.before(m));
+            o.before_batch(batch);
         }
         let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
         if let Some(o) = &self.runtime.observer {
-            batch.iter().for_each(|m| o.after(m));
+            o.after_batch(batch);
         }
         match r {
             Ok(results) if results.len() == batch.len() => {

@@ -34,6 +34,16 @@ pub enum Job {
         /// Members come back with the outcome.
         reply: oneshot::Sender<(Vec<Envelope>, BatchOutcome)>,
     },
+    /// Call `handle-batch` once per batch, in order (batches of several
+    /// lanes sharing one hand-off).
+    Batches {
+        /// (handler, members) per call.
+        calls: Vec<(Arc<HandlerVersion>, Vec<Envelope>)>,
+        /// Set to interrupt the running call.
+        cancel: Option<Arc<AtomicBool>>,
+        /// Each batch's members with its outcome, same order.
+        reply: oneshot::Sender<Vec<(Vec<Envelope>, BatchOutcome)>>,
+    },
 }
 
 /// The worker threads. Dropping the pool lets them finish queued jobs and exit.
@@ -115,6 +125,19 @@ impl WorkerPool {
     }
 }
 
+impl WorkerPool {
+    /// Run `handle-batch` once for each of `calls`, in order, on one worker.
+    pub async fn run_batches(
+        &self,
+        calls: Vec<(Arc<HandlerVersion>, Vec<Envelope>)>,
+        cancel: Option<Arc<AtomicBool>>,
+    ) -> anyhow::Result<Vec<(Vec<Envelope>, BatchOutcome)>> {
+        let (reply, rx) = oneshot::channel();
+        self.submit(Job::Batches { calls, cancel, reply });
+        rx.await.context("worker pool stopped during a call")
+    }
+}
+
 fn run(exec: &mut Executor, job: Job) {
     match job {
         Job::Each { items, cancel, reply } => {
@@ -136,6 +159,16 @@ fn run(exec: &mut Executor, job: Job) {
         } => {
             let outcome = exec.call_batch(&handler, &batch, &cancel);
             let _ = reply.send((batch, outcome));
+        }
+        Job::Batches { calls, cancel, reply } => {
+            let out = calls
+                .into_iter()
+                .map(|(h, batch)| {
+                    let outcome = exec.call_batch(&h, &batch, &cancel);
+                    (batch, outcome)
+                })
+                .collect();
+            let _ = reply.send(out);
         }
     }
 }

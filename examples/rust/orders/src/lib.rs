@@ -1,9 +1,15 @@
 //! Example handler: validates orders and announces the accepted ones.
 //!
 //! `order.placed` → validate → publish `order.accepted` in the same group.
-//! `order.paid`   → validate → log (no cascade). Anything else is rejected.
+//! `order.paid`   → validate → log (no cascade).
+//! `order.line-added` → validate one order line; configured as a batched type
+//! (`batch = { message_types = ["order.line-added"], ... }`), a whole batch of lines is
+//! validated in one pass by `handle_batch`, which also rejects a line repeated within the batch.
+//! Anything else is rejected.
 //! Config: `currency` (optional) is the only currency accepted; an order without a currency
 //! gets the configured one, or `EUR` when none is configured.
+
+use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 use weir_guest::{Failure, Handler, Message};
@@ -27,6 +33,14 @@ struct Line {
     unit_price_cents: u64,
 }
 
+/// `order.line-added`: one line added to an open order.
+#[derive(Deserialize)]
+struct LineAdded {
+    order_id: String,
+    #[serde(flatten)]
+    line: Line,
+}
+
 #[derive(Serialize, Debug, PartialEq)]
 struct Accepted {
     order_id: String,
@@ -39,14 +53,63 @@ pub struct Orders;
 
 impl Handler for Orders {
     fn handle(msg: Message) -> Result<(), Failure> {
+        if msg.message_type() == "order.line-added" {
+            return line_added(&msg).map(|_| ());
+        }
         process(&msg, weir_guest::config("currency").as_deref())
     }
 
-    /// Bulk validation: the config is read once for the whole batch.
+    /// Bulk validation: the config is read once for the whole batch, and the order lines of
+    /// the batch are checked in one pass (each on its own, and no line twice). One result per
+    /// message, in order: a bad line is rejected alone, the rest of the batch still succeeds.
     fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
         let currency = weir_guest::config("currency");
-        batch.iter().map(|msg| process(msg, currency.as_deref())).collect()
+        let mut seen = HashSet::new();
+        let mut lines = 0usize;
+        let results: Vec<Result<(), Failure>> = batch
+            .iter()
+            .map(|msg| {
+                if msg.message_type() != "order.line-added" {
+                    return process(msg, currency.as_deref());
+                }
+                let added = line_added(msg)?;
+                if !seen.insert((added.order_id.clone(), added.line.sku.clone())) {
+                    return Err(Failure::reject(format!(
+                        "order {:?}: sku {:?} added twice in one batch",
+                        added.order_id, added.line.sku
+                    )));
+                }
+                lines += 1;
+                Ok(())
+            })
+            .collect();
+        weir_guest::debug!("validated {lines} order lines in a batch of {}", batch.len());
+        results
     }
+}
+
+/// Decode and check one `order.line-added`.
+fn line_added(msg: &Message) -> Result<LineAdded, Failure> {
+    let added: LineAdded = msg.json()?;
+    let reject = |reason: String| Failure::reject(format!("order {:?}: {reason}", added.order_id));
+    if added.order_id.is_empty() {
+        return Err(Failure::reject("order line without order_id"));
+    }
+    if added.line.sku.is_empty() {
+        return Err(reject("line without sku".into()));
+    }
+    if added.line.qty == 0 {
+        return Err(reject(format!("line {:?} has qty 0", added.line.sku)));
+    }
+    if added
+        .line
+        .unit_price_cents
+        .checked_mul(u64::from(added.line.qty))
+        .is_none()
+    {
+        return Err(reject(format!("line {:?} overflows its amount", added.line.sku)));
+    }
+    Ok(added)
 }
 
 weir_guest::export!(Orders);
@@ -204,5 +267,29 @@ mod tests {
         );
         assert!(results[2].as_ref().unwrap_err().is_reject());
         assert_eq!(testing::take_published().len(), 1);
+    }
+
+    fn line(id: &str, order: &str, sku: &str, qty: u32) -> Message {
+        let payload = json!({ "order_id": order, "sku": sku, "qty": qty, "unit_price_cents": 100 });
+        Message::new(id, "order.line-added", payload.to_string()).with_group_id(order)
+    }
+
+    #[test]
+    fn a_batch_of_lines_rejects_only_its_bad_and_repeated_lines() {
+        testing::reset();
+        let batch = vec![
+            line("l-1", "o-1", "a", 1),
+            line("l-2", "o-1", "b", 0),
+            line("l-3", "o-1", "a", 2),
+            line("l-4", "o-1", "c", 3),
+        ];
+        let results = Orders::handle_batch(batch);
+        assert_eq!(results.len(), 4);
+        assert!(results[0].is_ok() && results[3].is_ok());
+        assert!(results[1].as_ref().unwrap_err().reason().contains("qty 0"));
+        assert!(results[2].as_ref().unwrap_err().reason().contains("added twice"));
+        // Alone, a line is validated the same way.
+        Orders::handle(line("l-5", "o-2", "a", 1)).unwrap();
+        assert!(Orders::handle(line("l-6", "o-2", "", 1)).unwrap_err().is_reject());
     }
 }

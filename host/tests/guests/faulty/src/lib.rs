@@ -1,6 +1,8 @@
 //! Test guest whose behaviour is chosen by the message type, so host tests can provoke every
 //! outcome: success, retry, reject, traps (panic, OOM, stack overflow), endless loops, slow
 //! calls, cascades, config reads and sandbox probes. See `handle` for the table.
+//! A type `batch.X` behaves as `X` (tests bind the `batch.` types to `handle-batch`); a batch
+//! with a `trap` or `batch.trap` member traps as a whole.
 
 #![allow(clippy::panic, reason = "trapping on request is this guest's job")]
 
@@ -14,7 +16,8 @@ pub struct Faulty;
 
 impl Handler for Faulty {
     fn handle(msg: Message) -> Result<(), Failure> {
-        match msg.message_type() {
+        let kind = msg.message_type();
+        match kind.strip_prefix("batch.").unwrap_or(kind) {
             "ok" => Ok(()),
             "trap" => panic!("trap requested by test"),
             "loop" => spin_forever(),
@@ -49,7 +52,7 @@ impl Handler for Faulty {
     }
 
     fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
-        if batch.iter().any(|m| m.message_type() == "trap") {
+        if batch.iter().any(|m| matches!(m.message_type(), "trap" | "batch.trap")) {
             panic!("batch trap requested by test");
         }
         batch.into_iter().map(Self::handle).collect()
