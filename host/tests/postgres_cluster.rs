@@ -27,7 +27,7 @@ use common::cluster::{self, Cluster};
 use common::nats::Topo as NatsTopo;
 use common::pg::{Proxy, TestDb};
 use common::rabbit::{Topo, url};
-use weir::envelope::{self, Envelope};
+use weir::envelope::Envelope;
 use weir::journal::{self, Report};
 use weir::partition;
 use weir::transport::Transport;
@@ -92,7 +92,8 @@ fn publish_all(broker: &Broker, msgs: &[Envelope]) {
     rt.block_on(async {
         let t = broker.transport();
         for m in msgs {
-            weir::node::publish(t.as_ref(), broker.name(), SLOTS, m).await.unwrap();
+            let slot = partition::slot_for(m.group(), &m.id, SLOTS);
+            common::publish_confirmed(t.as_ref(), broker.name(), slot, m).await;
         }
     });
 }
@@ -107,7 +108,7 @@ fn stream(broker: &Broker, msgs: Vec<Envelope>, over: Duration) -> std::thread::
             let gap = over / u32::try_from(msgs.len().max(1)).unwrap();
             for m in &msgs {
                 let slot = partition::slot_for(m.group(), &m.id, SLOTS);
-                t.publish(&name, slot, envelope::encode(m)).await.unwrap();
+                common::publish_confirmed(t.as_ref(), &name, slot, m).await;
                 tokio::time::sleep(gap).await;
             }
         });

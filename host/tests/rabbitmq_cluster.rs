@@ -29,9 +29,8 @@ use std::time::Duration;
 
 use common::cluster::{self, Cluster, describe, ids, messages};
 use common::rabbit::{Topo, url};
-use weir::envelope::{self, Envelope};
+use weir::envelope::Envelope;
 use weir::partition;
-use weir::transport::Transport as _;
 use weir::transport::rabbitmq::{self, RabbitMq};
 
 const SLOTS: u32 = 6;
@@ -129,7 +128,7 @@ fn single_active_consumer_fails_over_on_crash_and_on_drain() {
             rt.block_on(async {
                 let t = RabbitMq::new(url(), "weir cluster-test publisher");
                 for m in &msgs {
-                    t.publish(&name, right_slot(m), envelope::encode(m)).await.unwrap();
+                    common::publish_confirmed(&t, &name, right_slot(m), m).await;
                 }
             });
         })

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use weir::envelope::{self, Envelope};
+use weir::envelope::Envelope;
 use weir::journal::{self, Report};
 use weir::partition;
 use weir::transport::Transport;
@@ -263,7 +263,7 @@ pub fn publish<T: Transport>(
     rt.block_on(async {
         let t = connect();
         for m in msgs {
-            t.publish(topology, slot_of(m), envelope::encode(m)).await.unwrap();
+            super::publish_confirmed(&t, topology, slot_of(m), m).await;
         }
     });
 }

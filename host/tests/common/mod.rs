@@ -146,3 +146,26 @@ impl CallObserver for CallLog {
         }
     }
 }
+
+/// Publish like a careful client: a broker may refuse (nack) a publish, as
+/// RabbitMQ did here once while a consumer of the queue was being killed;
+/// the publisher tries again (at-least-once), up to five times.
+pub async fn publish_confirmed(
+    t: &(impl weir::transport::Transport + ?Sized),
+    topology: &str,
+    slot: u32,
+    msg: &Envelope,
+) {
+    let mut attempt = 1;
+    loop {
+        match t.publish(topology, slot, envelope::encode(msg)).await {
+            Ok(()) => return,
+            Err(e) if attempt < 5 => {
+                eprintln!("publish of {} refused ({e}); trying again", msg.id);
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("publish of {} failed {attempt} times: {e}", msg.id),
+        }
+    }
+}
