@@ -203,7 +203,56 @@ impl Collector for Scrape {
             "Dead-letter captures by reason.",
             &by_reason,
         )?;
+        let flushes: Vec<(&str, &str, u64)> = s
+            .batch_flushes
+            .iter()
+            .map(|(r, n)| ("reason", r.as_str(), *n))
+            .collect();
+        counter(
+            &mut encoder,
+            "batches",
+            "Batches handed to handle-batch, by why they ran.",
+            &flushes,
+        )?;
+        let bounds: Vec<String> = s
+            .batch_sizes
+            .iter()
+            .map(|(b, _)| {
+                if *b == u64::MAX {
+                    "+Inf".to_owned()
+                } else {
+                    b.to_string()
+                }
+            })
+            .collect();
+        let sizes: Vec<(&str, &str, u64)> = s
+            .batch_sizes
+            .iter()
+            .zip(&bounds)
+            .map(|((_, n), b)| ("size_at_most", b.as_str(), *n))
+            .collect();
+        counter(
+            &mut encoder,
+            "batches_by_size",
+            "Batches by size bucket (members, inclusive upper bound; not cumulative).",
+            &sizes,
+        )?;
         for (name, help, n) in [
+            (
+                "batch_members",
+                "Members of every batch handed to handle-batch.",
+                s.batch_members,
+            ),
+            (
+                "batch_replays",
+                "Batches whose call trapped or timed out, replayed member by member.",
+                s.batch_replays,
+            ),
+            (
+                "batch_released",
+                "Members of unstarted batches returned to the broker by a drain.",
+                s.batch_released,
+            ),
             (
                 "ack_failures",
                 "Acks whose confirmation failed (the message may come again).",

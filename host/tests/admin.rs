@@ -66,6 +66,8 @@ fn health_ready_metrics_and_slots() {
         "weir_messages_total{outcome=\"handled\"} 0",
         "weir_dead_letters_total{reason=\"no-handler\"} 0",
         "weir_slots_owned 3",
+        "weir_batches_total{reason=\"linger\"} 0",
+        "weir_batch_replays_total 0",
         "# EOF",
     ] {
         assert!(metrics.contains(needle), "{needle} missing from:\n{metrics}");
