@@ -47,6 +47,46 @@ use weir::transport::{TopologySpec, Transport};
 mod natsb;
 mod rabbit;
 
+/// Start a Weir node on `transport` with `cfg` and wait until it handled
+/// `n` messages; the wall time from `Node::start` (handler load included).
+/// Fails if anything but `handled` happens. The node is drained afterwards.
+async fn drain_with_weir(
+    label: &str,
+    cfg: &Config,
+    transport: Arc<dyn Transport>,
+    workers: usize,
+    cache: Option<PathBuf>,
+    n: u64,
+) -> anyhow::Result<Duration> {
+    let opts = NodeOptions {
+        workers,
+        runtime: RuntimeOptions {
+            cache_dir: cache,
+            ..RuntimeOptions::default()
+        },
+        ..NodeOptions::default()
+    };
+    let t0 = Instant::now();
+    let node = Node::start(cfg, transport, opts).await?;
+    let stats = node.stats();
+    loop {
+        let s = stats.snapshot();
+        if s.handled >= n {
+            break;
+        }
+        if s.finished() + s.retry_scheduled + s.faults > s.handled {
+            bail!("{label}: something other than `handled` happened: {s:?}");
+        }
+        if t0.elapsed() > Duration::from_secs(600) {
+            bail!("{label}: only {} of {n} handled after 600 s", s.handled);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let wall = t0.elapsed();
+    node.shutdown().await?;
+    Ok(wall)
+}
+
 /// The same allocator as the `weir` binary, so the figures are the shipped host's.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

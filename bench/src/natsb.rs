@@ -13,8 +13,7 @@ use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt as _;
 
 use weir::config::{self, Config};
-use weir::node::{self, Node, NodeOptions};
-use weir::runtime::RuntimeOptions;
+use weir::node;
 use weir::transport::nats::{Nats, names};
 use weir::transport::{TopologySpec, Transport};
 
@@ -150,32 +149,7 @@ pub async fn weir(
     let result = async {
         let cfg = weir_config(url, &topo, slots, prefetch);
         let transport: Arc<dyn Transport> = Arc::new(Nats::new(url, "weir-bench node"));
-        let opts = NodeOptions {
-            workers,
-            runtime: RuntimeOptions {
-                cache_dir: cache,
-                ..RuntimeOptions::default()
-            },
-            ..NodeOptions::default()
-        };
-        let t0 = Instant::now();
-        let node = Node::start(&cfg, transport, opts).await?;
-        let stats = node.stats();
-        loop {
-            let s = stats.snapshot();
-            if s.handled >= n {
-                break;
-            }
-            if s.finished() + s.retry_scheduled + s.faults > s.handled {
-                bail!("nats-drain: something other than `handled` happened: {s:?}");
-            }
-            if t0.elapsed() > Duration::from_secs(600) {
-                bail!("nats-drain: only {} of {n} handled after 600 s", s.handled);
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let wall = t0.elapsed();
-        node.shutdown().await?;
+        let wall = crate::drain_with_weir("nats-drain", &cfg, transport, workers, cache, n).await?;
         let js = jetstream::new(async_nats::connect(url).await?);
         let stream = names::stream(&topo);
         for s in 0..slots {

@@ -14,8 +14,7 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
 use weir::config::{self, Config};
-use weir::node::{self, Node, NodeOptions};
-use weir::runtime::RuntimeOptions;
+use weir::node;
 use weir::transport::rabbitmq::{RabbitMq, names};
 use weir::transport::{TopologySpec, Transport};
 
@@ -180,32 +179,7 @@ pub async fn weir(
     let result = async {
         let cfg = weir_config(url, &topo, slots, u32::from(prefetch), batch);
         let transport: Arc<dyn Transport> = Arc::new(RabbitMq::new(url, "weir-bench node"));
-        let opts = NodeOptions {
-            workers,
-            runtime: RuntimeOptions {
-                cache_dir: cache,
-                ..RuntimeOptions::default()
-            },
-            ..NodeOptions::default()
-        };
-        let t0 = Instant::now();
-        let node = Node::start(&cfg, transport, opts).await?;
-        let stats = node.stats();
-        loop {
-            let s = stats.snapshot();
-            if s.handled >= n {
-                break;
-            }
-            if s.finished() + s.retry_scheduled + s.faults > s.handled {
-                bail!("rabbitmq-drain: something other than `handled` happened: {s:?}");
-            }
-            if t0.elapsed() > Duration::from_secs(600) {
-                bail!("rabbitmq-drain: only {} of {n} handled after 600 s", s.handled);
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let wall = t0.elapsed();
-        node.shutdown().await?;
+        let wall = crate::drain_with_weir("rabbitmq-drain", &cfg, transport, workers, cache, n).await?;
         let conn = Connection::connect(url, ConnectionProperties::default()).await?;
         let probe = conn.create_channel().await?;
         let mut left = 0;
