@@ -231,18 +231,16 @@ impl Coordinator {
             .await?;
             tracing::warn!(nodes = ?expired, slots = freed.rows_affected(), "leader: nodes whose lease expired were removed; their slots are free");
         }
-        let live: Vec<Uuid> = sqlx::query("SELECT node_id FROM weir_nodes WHERE lease_until > now() ORDER BY node_id")
-            .fetch_all(&mut *tx)
-            .await?
-            .iter()
-            .map(|r| r.get::<Uuid, _>(0))
-            .collect();
-        let registered: HashSet<Uuid> = sqlx::query("SELECT node_id FROM weir_nodes")
-            .fetch_all(&mut *tx)
-            .await?
-            .iter()
-            .map(|r| r.get::<Uuid, _>(0))
-            .collect();
+        // Every registered node and whether its lease is live, in one read.
+        let nodes: Vec<(Uuid, bool)> =
+            sqlx::query("SELECT node_id, lease_until > now() FROM weir_nodes ORDER BY node_id")
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1)))
+                .collect();
+        let live: Vec<Uuid> = nodes.iter().filter(|(_, l)| *l).map(|(n, _)| *n).collect();
+        let registered: HashSet<Uuid> = nodes.iter().map(|(n, _)| *n).collect();
         let rows = sqlx::query(
             "SELECT topology, slot, owner, epoch, state, target FROM weir_slots ORDER BY topology, slot FOR UPDATE",
         )
