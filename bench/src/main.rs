@@ -47,6 +47,35 @@ use weir::transport::{TopologySpec, Transport};
 mod natsb;
 mod rabbit;
 
+/// What one broker drain measured.
+pub struct Drain {
+    pub wall: Duration,
+}
+
+/// A fresh topology name for one drain (its objects are deleted afterwards).
+fn drain_topology() -> String {
+    format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+/// Declare `topo` on `t` and publish `n` benchmark messages over `groups`
+/// groups to it, each confirmed, 256 in flight.
+async fn preload_on(t: &dyn Transport, topo: &str, slots: u32, n: u64, groups: u64) -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    t.declare(&TopologySpec::new(topo, slots))
+        .await
+        .map_err(|e| anyhow::anyhow!("declaring {topo}: {e}"))?;
+    let mut results = futures::stream::iter(0..n)
+        .map(|i| async move {
+            let env = message(i, Some(format!("group-{}", i % groups)));
+            node::publish(t, topo, slots, &env).await
+        })
+        .buffer_unordered(256);
+    while let Some(r) = results.next().await {
+        r.map_err(|e| anyhow::anyhow!("preloading {topo}: {e}"))?;
+    }
+    Ok(())
+}
+
 /// Start a Weir node on `transport` with `cfg` and wait until it handled
 /// `n` messages; the wall time from `Node::start` (handler load included).
 /// Fails if anything but `handled` happens. The node is drained afterwards.

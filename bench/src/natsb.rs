@@ -6,44 +6,24 @@
 //! topology, whose streams are deleted afterwards.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt as _;
 
 use weir::config::{self, Config};
-use weir::node;
+use weir::transport::Transport;
 use weir::transport::nats::{Nats, names};
-use weir::transport::{TopologySpec, Transport};
 
 /// Messages asked for in one pull request by the bare consumer.
 const BARE_BATCH: usize = 256;
 
-/// What one drain measured.
-pub struct Drain {
-    pub wall: Duration,
-}
-
-fn topology_name() -> String {
-    format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
-}
+pub use crate::Drain;
 
 async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyhow::Result<()> {
     let t = Nats::new(url, "weir-bench preload");
-    t.declare(&TopologySpec::new(topo, slots))
-        .await
-        .map_err(|e| anyhow::anyhow!("declaring {topo}: {e}"))?;
-    let t = &t;
-    let mut results = futures::stream::iter(0..n)
-        .map(|i| async move {
-            let env = crate::message(i, Some(format!("group-{}", i % groups)));
-            node::publish(t, topo, slots, &env).await
-        })
-        .buffer_unordered(256);
-    while let Some(r) = results.next().await {
-        r.map_err(|e| anyhow::anyhow!("preloading {topo}: {e}"))?;
-    }
+    crate::preload_on(&t, topo, slots, n, groups).await?;
     Ok(())
 }
 
@@ -60,7 +40,7 @@ async fn cleanup(url: &str, topo: &str) {
 /// The bare consumer: one durable pull consumer per slot (Weir's names and
 /// filter, explicit ack), batches of 256, one `+ACK` per message.
 pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u32) -> anyhow::Result<Drain> {
-    let topo = topology_name();
+    let topo = crate::drain_topology();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
         let js = jetstream::new(async_nats::connect(url).await?);
@@ -144,7 +124,7 @@ pub async fn weir(
     workers: usize,
     cache: Option<std::path::PathBuf>,
 ) -> anyhow::Result<Drain> {
-    let topo = topology_name();
+    let topo = crate::drain_topology();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
         let cfg = weir_config(url, &topo, slots, prefetch);

@@ -5,7 +5,7 @@
 //! in one run. Each drain gets its own topology, deleted afterwards.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use futures::StreamExt as _;
@@ -14,37 +14,17 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
 use weir::config::{self, Config};
-use weir::node;
 use weir::transport::rabbitmq::{RabbitMq, names};
 use weir::transport::{TopologySpec, Transport};
 
 /// Acks of the bare consumer: one `multiple` ack per this many deliveries.
 const BARE_ACK_EVERY: u64 = 128;
 
-/// What one drain measured.
-pub struct Drain {
-    pub wall: Duration,
-}
-
-fn topology_name() -> String {
-    format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
-}
+pub use crate::Drain;
 
 async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyhow::Result<()> {
     let t = RabbitMq::new(url, "weir-bench preload");
-    t.declare(&TopologySpec::new(topo, slots))
-        .await
-        .map_err(|e| anyhow::anyhow!("declaring {topo}: {e}"))?;
-    let t = &t;
-    let mut results = futures::stream::iter(0..n)
-        .map(|i| async move {
-            let env = crate::message(i, Some(format!("group-{}", i % groups)));
-            node::publish(t, topo, slots, &env).await
-        })
-        .buffer_unordered(256);
-    while let Some(r) = results.next().await {
-        r.map_err(|e| anyhow::anyhow!("preloading {topo}: {e}"))?;
-    }
+    crate::preload_on(&t, topo, slots, n, groups).await?;
     t.close().await;
     Ok(())
 }
@@ -84,7 +64,7 @@ async fn depth(ch: &lapin::Channel, queue: &str) -> anyhow::Result<u64> {
 /// The bare consumer: one channel and consumer per slot queue, no-op handler,
 /// `multiple` ack every 128 deliveries and at the end.
 pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u16) -> anyhow::Result<Drain> {
-    let topo = topology_name();
+    let topo = crate::drain_topology();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
         let conn = Connection::connect(url, ConnectionProperties::default()).await?;
@@ -174,7 +154,7 @@ pub async fn weir(
     cache: Option<std::path::PathBuf>,
     batch: Option<u32>,
 ) -> anyhow::Result<Drain> {
-    let topo = topology_name();
+    let topo = crate::drain_topology();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
         let cfg = weir_config(url, &topo, slots, u32::from(prefetch), batch);
