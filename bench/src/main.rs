@@ -438,6 +438,7 @@ fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Op
         node: config::Node {
             name: "bench".into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: match prefetch {
             0 => config::Transport::default(),
@@ -449,6 +450,7 @@ fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Op
         cluster: config::Cluster::default(),
         topology: vec![config::Topology::new(TOPOLOGY, slots)],
         handler: vec![handler],
+        tenant: Vec::new(),
         origin: "<weir-bench>".into(),
     }
 }

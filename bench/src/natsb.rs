@@ -99,6 +99,7 @@ fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
         node: config::Node {
             name: "bench".into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport {
             kind: config::TransportKind::Nats,
@@ -108,6 +109,7 @@ fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
         cluster: config::Cluster::default(),
         topology: vec![t],
         handler: vec![handler],
+        tenant: Vec::new(),
         origin: "<weir-bench nats-drain>".into(),
     }
 }

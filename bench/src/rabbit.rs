@@ -128,6 +128,7 @@ fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batch: Option<u
         node: config::Node {
             name: "bench".into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport {
             kind: config::TransportKind::Rabbitmq,
@@ -137,6 +138,7 @@ fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batch: Option<u
         cluster: config::Cluster::default(),
         topology: vec![t],
         handler: vec![handler],
+        tenant: Vec::new(),
         origin: "<weir-bench rabbitmq-drain>".into(),
     }
 }

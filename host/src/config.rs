@@ -40,6 +40,8 @@ pub mod defaults {
     pub const TIMEOUT: Duration = Duration::from_secs(5);
     /// `handler.limits.instances`.
     pub const INSTANCES: u32 = 16;
+    /// `node.max_component_size`.
+    pub const MAX_COMPONENT_SIZE: ByteSize = ByteSize(128 * 1024 * 1024);
 
     /// `node.name`: the host name and the process id, `"{host}-{pid}"`.
     pub fn node_name() -> String {
@@ -52,6 +54,9 @@ pub mod defaults {
         format!("{host}-{}", std::process::id())
     }
 
+    pub(super) fn max_component_size() -> ByteSize {
+        MAX_COMPONENT_SIZE
+    }
     pub(super) fn prefetch() -> u32 {
         PREFETCH
     }
@@ -103,6 +108,9 @@ pub struct Config {
     /// Handlers (`[[handler]]`): a component bound to message types of one topology.
     #[serde(default)]
     pub handler: Vec<Handler>,
+    /// Tenants (`[[tenant]]`): their admin token, limits and what their handlers may be granted.
+    #[serde(default)]
+    pub tenant: Vec<Tenant>,
     /// Where the config came from (file path or label), named in errors. Not read from TOML.
     #[serde(skip)]
     pub origin: String,
@@ -119,6 +127,21 @@ pub struct Node {
     /// absent: no admin listener.
     #[serde(default)]
     pub admin: Option<SocketAddr>,
+    /// Bearer token of the operator (every admin route). With no token and no tenant tokens the
+    /// read-only routes are open and deploys are refused.
+    #[serde(default)]
+    pub admin_token: Option<String>,
+    /// Where deployed components and their history are kept, so they survive a restart; also
+    /// the compiled-code cache. Relative paths are resolved against the config file's directory.
+    #[serde(default)]
+    pub data_dir: Option<PathBuf>,
+    /// A directory watched for `{handler}.wasm` files: a new or changed file is deployed to the
+    /// handler of that name (a bad file is refused and logged; the running version stays).
+    #[serde(default)]
+    pub components_dir: Option<PathBuf>,
+    /// Largest component a deploy may upload, e.g. `"128MiB"`.
+    #[serde(default = "defaults::max_component_size")]
+    pub max_component_size: ByteSize,
 }
 
 impl Default for Node {
@@ -126,8 +149,163 @@ impl Default for Node {
         Self {
             name: defaults::node_name(),
             admin: None,
+            admin_token: None,
+            data_dir: None,
+            components_dir: None,
+            max_component_size: defaults::MAX_COMPONENT_SIZE,
         }
     }
+}
+
+/// `[[tenant]]`: a tenant sharing the node with others.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    /// The tenant id, as in `weir-tenant-id`.
+    pub name: String,
+    /// Bearer token that sees and changes only this tenant's handlers.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Ceilings for the tenant's handlers, shared by all of them where it says so.
+    #[serde(default)]
+    pub limits: TenantLimits,
+    /// What the tenant's handlers may be granted; nothing by default.
+    #[serde(default)]
+    pub allow: TenantAllow,
+}
+
+impl Tenant {
+    /// Where a tenant handler's limits, set explicitly, exceed the tenant's: (key under
+    /// `limits`, message). Defaults above a tenant's limit are lowered to it, not refused.
+    pub fn check_handler_limits(&self, l: &Limits) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if let Some(max) = self.limits.memory
+            && l.memory > max
+            && l.memory != defaults::MEMORY
+        {
+            out.push((
+                "memory",
+                format!(
+                    "{} is above tenant {:?}'s limit {}; accepted: at most that",
+                    l.memory, self.name, max
+                ),
+            ));
+        }
+        if let Some(max) = self.limits.timeout
+            && l.timeout > max
+            && l.timeout != defaults::TIMEOUT
+        {
+            out.push((
+                "timeout",
+                format!(
+                    "{:?} is above tenant {:?}'s limit {max:?}; accepted: at most that",
+                    l.timeout, self.name
+                ),
+            ));
+        }
+        if let (Some(max), Some(f)) = (self.limits.fuel, l.fuel)
+            && f > max
+        {
+            out.push((
+                "fuel",
+                format!(
+                    "{f} is above tenant {:?}'s limit {max}; accepted: at most that",
+                    self.name
+                ),
+            ));
+        }
+        out
+    }
+
+    /// Where grants exceed what the tenant allows: (key under `wasi`, message). `preopens` are
+    /// (guest path, host path, read-only).
+    pub fn check_grants(&self, env: &[String], preopens: &[(String, PathBuf, bool)]) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (k, name) in env.iter().enumerate() {
+            if !self.allow.env.iter().any(|a| a == name) {
+                out.push((
+                    format!("env[{k}]"),
+                    format!(
+                        "{name:?} is not allowed for tenant {:?}; accepted: one of {:?} (tenant.allow.env)",
+                        self.name, self.allow.env
+                    ),
+                ));
+            }
+        }
+        for (k, (guest, host, read_only)) in preopens.iter().enumerate() {
+            if !read_only {
+                out.push((
+                    format!("preopens[{k}].read_only"),
+                    format!(
+                        "tenant {:?} handlers get read-only directories only; set read_only = true",
+                        self.name
+                    ),
+                ));
+            }
+            let allowed = self.allow.dirs.iter().any(|d| is_within(host, d));
+            if !allowed {
+                out.push((
+                    format!("preopens[{k}].host"),
+                    format!(
+                        "{} (guest {guest:?}) is not within a directory tenant {:?} may grant; accepted: one of {:?} \
+                         (tenant.allow.dirs) or below",
+                        host.display(),
+                        self.name,
+                        self.allow.dirs
+                    ),
+                ));
+            }
+        }
+        out
+    }
+}
+
+/// Whether `path` is `dir` or below it, compared component by component after removing `.`
+/// and refusing `..` (a path with `..` is never within).
+fn is_within(path: &Path, dir: &Path) -> bool {
+    use std::path::Component;
+    if path.components().any(|c| c == Component::ParentDir) || dir.components().any(|c| c == Component::ParentDir) {
+        return false;
+    }
+    let clean = |p: &Path| -> Vec<std::ffi::OsString> {
+        p.components()
+            .filter(|c| *c != Component::CurDir)
+            .map(|c| c.as_os_str().to_owned())
+            .collect()
+    };
+    let (p, d) = (clean(path), clean(dir));
+    p.len() >= d.len() && p[..d.len()] == d[..]
+}
+
+/// `tenant.limits`: each absent key leaves that resource bounded only by the handler's limits.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantLimits {
+    /// Largest linear memory of one instance of any of the tenant's handlers.
+    #[serde(default)]
+    pub memory: Option<ByteSize>,
+    /// Longest call of any of the tenant's handlers.
+    #[serde(default, deserialize_with = "de_duration_opt")]
+    pub timeout: Option<Duration>,
+    /// Calls of all the tenant's handlers that may run at once on this node.
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+    /// Wasm fuel (roughly instructions) one call may burn; exhausted: the call traps.
+    #[serde(default)]
+    pub fuel: Option<u64>,
+}
+
+/// `tenant.allow`: the grants a tenant's handler may ask for.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantAllow {
+    /// Host environment variable names the tenant's handlers may be given.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Host directories the tenant's handlers may be given read-only (a preopen's host path
+    /// must be one of these or below one).
+    #[serde(default)]
+    pub dirs: Vec<PathBuf>,
 }
 
 /// `[transport]`.
@@ -394,6 +572,9 @@ pub struct Limits {
     /// Wasm stack limit; absent: the engine's default.
     #[serde(default)]
     pub max_stack: Option<ByteSize>,
+    /// Wasm fuel one call may burn (roughly instructions); absent: unmetered.
+    #[serde(default)]
+    pub fuel: Option<u64>,
 }
 
 impl Default for Limits {
@@ -403,6 +584,7 @@ impl Default for Limits {
             timeout: defaults::TIMEOUT,
             instances: defaults::INSTANCES,
             max_stack: None,
+            fuel: None,
         }
     }
 }
@@ -716,6 +898,21 @@ impl Config {
 
     /// Resolves relative component and preopen paths against `base`.
     pub fn resolve_paths(&mut self, base: &Path) {
+        for dir in [&mut self.node.data_dir, &mut self.node.components_dir]
+            .into_iter()
+            .flatten()
+        {
+            if dir.is_relative() {
+                *dir = base.join(&*dir);
+            }
+        }
+        for t in &mut self.tenant {
+            for d in &mut t.allow.dirs {
+                if d.is_relative() {
+                    *d = base.join(&*d);
+                }
+            }
+        }
         for h in &mut self.handler {
             if h.component.is_relative() {
                 h.component = base.join(&h.component);
@@ -736,6 +933,7 @@ impl Config {
         self.validate_node_transport_cluster(&mut errors, &mut warnings);
         self.validate_topologies(&mut errors, &mut warnings);
         self.validate_handlers(&mut errors);
+        self.validate_tenants(&mut errors);
         if errors.0.is_empty() {
             Ok(warnings)
         } else {
@@ -893,6 +1091,97 @@ impl Config {
                 .check(&CheckContext::new(Self::retry_key(i)));
             errors.0.extend(report.errors);
             warnings.extend(report.warnings);
+        }
+    }
+
+    /// The `[[tenant]]` named `name`.
+    pub fn tenant(&self, name: &str) -> Option<&Tenant> {
+        self.tenant.iter().find(|t| t.name == name)
+    }
+
+    fn validate_tenants(&self, errors: &mut Issues) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut tokens: HashMap<&str, String> = HashMap::new();
+        if let Some(t) = &self.node.admin_token {
+            if t.trim().is_empty() {
+                errors.add(
+                    "node.admin_token",
+                    "is empty; accepted: a secret of at least 16 characters",
+                );
+            }
+            tokens.insert(t.as_str(), "node.admin_token".into());
+        }
+        for (i, t) in self.tenant.iter().enumerate() {
+            let key = format!("tenant[{i}]");
+            if t.name.trim().is_empty() {
+                errors.add(
+                    format!("{key}.name"),
+                    "is empty; accepted: the tenant id its messages carry",
+                );
+            }
+            if let Some(first) = names.insert(&t.name, i) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is already the name of tenant[{first}]; tenant names are unique",
+                        t.name
+                    ),
+                );
+            }
+            if let Some(token) = &t.token {
+                if token.trim().is_empty() {
+                    errors.add(
+                        format!("{key}.token"),
+                        "is empty; accepted: a secret of at least 16 characters",
+                    );
+                } else if let Some(other) = tokens.insert(token.as_str(), format!("{key}.token")) {
+                    errors.add(
+                        format!("{key}.token"),
+                        format!("is the same as {other}; every token must be different"),
+                    );
+                }
+            }
+            if t.limits.concurrency == Some(0) {
+                errors.add(
+                    format!("{key}.limits.concurrency"),
+                    "is 0; accepted: 1 or more calls at once",
+                );
+            }
+            if t.limits.fuel == Some(0) {
+                errors.add(
+                    format!("{key}.limits.fuel"),
+                    "is 0; accepted: a positive amount, or remove it",
+                );
+            }
+        }
+        for (i, h) in self.handler.iter().enumerate() {
+            if h.limits.fuel == Some(0) {
+                errors.add(
+                    format!("handler[{i}].limits.fuel"),
+                    "is 0; accepted: a positive amount, or remove it",
+                );
+            }
+            let Some(tenant) = h.tenant.as_deref().and_then(|n| self.tenant(n)) else {
+                continue;
+            };
+            for (k, message) in tenant.check_handler_limits(&h.limits) {
+                errors.add(format!("handler[{i}].limits.{k}"), message);
+            }
+            let preopens: Vec<(String, PathBuf, bool)> = h
+                .wasi
+                .preopens
+                .iter()
+                .map(|p| (p.guest.clone(), p.host.clone(), p.read_only))
+                .collect();
+            for (k, message) in tenant.check_grants(&h.wasi.env, &preopens) {
+                errors.add(format!("handler[{i}].wasi.{k}"), message);
+            }
+            if h.wasi.network {
+                errors.add(
+                    format!("handler[{i}].wasi.network"),
+                    format!("tenant {:?} handlers may not open sockets; remove it", tenant.name),
+                );
+            }
         }
     }
 
@@ -1093,6 +1382,89 @@ mod tests {
             "[[topology]]\nname = \"orders\"\nslots = 4\n\n[[handler]]\nname = \"h\"\n\
              component = \"h.wasm\"\ntopology = \"orders\"\nmessage_types = [\"a\"]\n{extra}"
         )
+    }
+
+    #[test]
+    fn tenant_handlers_stay_within_their_tenant() {
+        let tenant = "[[tenant]]\nname = \"acme\"\nlimits = { memory = \"32MiB\", timeout = \"2s\", fuel = 1000 }\n\
+                      allow = { env = [\"REGION\"], dirs = [\"/srv/acme\"] }\n";
+        let handler = |extra: &str| {
+            format!(
+                "[[topology]]\nname = \"orders\"\nslots = 4\n{tenant}\n[[handler]]\nname = \"h\"\n\
+                 component = \"h.wasm\"\ntopology = \"orders\"\ntenant = \"acme\"\nmessage_types = [\"a\"]\n{extra}"
+            )
+        };
+        // Defaults above the tenant's limits are lowered, not refused.
+        parse(&handler(""), "weir.toml").expect("defaults are capped");
+        assert_one(
+            &handler("limits = { memory = \"48MiB\" }"),
+            "handler[0].limits.memory",
+            "tenant \"acme\"'s limit",
+        );
+        assert_one(
+            &handler("limits = { timeout = \"3s\" }"),
+            "handler[0].limits.timeout",
+            "at most that",
+        );
+        assert_one(
+            &handler("limits = { fuel = 2000 }"),
+            "handler[0].limits.fuel",
+            "above tenant",
+        );
+        assert_one(
+            &handler("wasi = { env = [\"HOME\"] }"),
+            "handler[0].wasi.env[0]",
+            "\"HOME\" is not allowed",
+        );
+        assert_one(
+            &handler("wasi = { preopens = [{ host = \"/etc\", guest = \"/etc\" }] }"),
+            "handler[0].wasi.preopens[0].host",
+            "not within",
+        );
+        assert_one(
+            &handler("wasi = { preopens = [{ host = \"/srv/acme/../../etc\", guest = \"/x\" }] }"),
+            "handler[0].wasi.preopens[0].host",
+            "not within",
+        );
+        assert_one(
+            &handler("wasi = { preopens = [{ host = \"/srv/acme/data\", guest = \"/d\", read_only = false }] }"),
+            "handler[0].wasi.preopens[0].read_only",
+            "read-only",
+        );
+        assert_one(
+            &handler("wasi = { network = true }"),
+            "handler[0].wasi.network",
+            "sockets",
+        );
+        parse(
+            &handler("wasi = { env = [\"REGION\"], preopens = [{ host = \"/srv/acme/data\", guest = \"/d\" }] }"),
+            "weir.toml",
+        )
+        .expect("grants within the allowance");
+    }
+
+    #[test]
+    fn tokens_are_unique_and_tenants_named_once() {
+        let issues = invalid(&base(
+            "[node]\nadmin_token = \"same-secret-0123456789\"\n[[tenant]]\nname = \"a\"\ntoken = \"same-secret-0123456789\"\n\
+             [[tenant]]\nname = \"a\"\nlimits = { concurrency = 0 }\n",
+        ));
+        let keys: Vec<&str> = issues.iter().map(|v| v.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["tenant[0].token", "tenant[1].name", "tenant[1].limits.concurrency"],
+            "{issues:#?}"
+        );
+    }
+
+    #[test]
+    fn within_compares_whole_components() {
+        assert!(is_within(Path::new("/srv/acme/data"), Path::new("/srv/acme")));
+        assert!(is_within(Path::new("/srv/acme"), Path::new("/srv/acme")));
+        assert!(is_within(Path::new("/srv/./acme/x"), Path::new("/srv/acme")));
+        assert!(!is_within(Path::new("/srv/acme-evil"), Path::new("/srv/acme")));
+        assert!(!is_within(Path::new("/srv/acme/../x"), Path::new("/srv/acme")));
+        assert!(!is_within(Path::new("/srv"), Path::new("/srv/acme")));
     }
 
     #[test]

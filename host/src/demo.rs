@@ -176,11 +176,13 @@ fn demo_config(o: &DemoOptions) -> Config {
         node: config::Node {
             name: "demo".into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport::default(),
         cluster: config::Cluster::default(),
         topology: vec![topology],
         handler: vec![orders, notify],
+        tenant: Vec::new(),
         origin: "<demo>".into(),
     }
 }

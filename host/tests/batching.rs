@@ -94,6 +94,7 @@ fn config(on: &On, size: u32, linger: Duration, max_groups: u32, prefetch: u32) 
         node: config::Node {
             name: format!("node-{}", on.topology),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport {
             kind: on.kind,
@@ -103,6 +104,7 @@ fn config(on: &On, size: u32, linger: Duration, max_groups: u32, prefetch: u32) 
         cluster: config::Cluster::default(),
         topology: vec![t],
         handler: vec![h],
+        tenant: Vec::new(),
         origin: "<batching test>".into(),
     }
 }

@@ -71,11 +71,13 @@ fn test_config() -> Config {
         node: config::Node {
             name: "guest-faults".into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport::default(),
         cluster: config::Cluster::default(),
         topology: vec![topology],
         handler: vec![faulty],
+        tenant: Vec::new(),
         origin: "<guest_faults test>".into(),
     }
 }

@@ -39,11 +39,13 @@ fn config(slots: u32, max_groups: u32) -> Config {
         node: config::Node {
             name: "lanes-test".into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport::default(),
         cluster: config::Cluster::default(),
         topology: vec![t],
         handler: vec![h],
+        tenant: Vec::new(),
         origin: "<test>".into(),
     }
 }

@@ -203,6 +203,7 @@ pub fn config(
         node: config::Node {
             name: node_name.into(),
             admin: None,
+            ..config::Node::default()
         },
         transport: config::Transport {
             kind: subject.kind,
@@ -212,6 +213,7 @@ pub fn config(
         cluster: config::Cluster::default(),
         topology: vec![t],
         handler: vec![h],
+        tenant: Vec::new(),
         origin: "<compliance test>".into(),
     }
 }
