@@ -2,9 +2,114 @@
 //! Read by the demo's summary, tests, and (later) the metrics endpoint.
 //! Batches are counted too: sizes, why each ran, replays.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::retry::capture::{Outcome, Reason};
+
+/// (topology, slot).
+pub type SlotKey = (Arc<str>, u32);
+
+/// Settled deliveries by outcome, for one slot or one handler.
+#[derive(Debug, Default)]
+pub struct OutcomeCounters {
+    counts: [AtomicU64; OUTCOMES.len()],
+}
+
+/// The outcome labels, in counter order.
+pub const OUTCOMES: [&str; 7] = [
+    "handled",
+    "retry-scheduled",
+    "dead-lettered",
+    "stranded",
+    "uncertain",
+    "requeued",
+    "released",
+];
+
+fn outcome_index(o: Outcome) -> usize {
+    match o {
+        Outcome::Handled => 0,
+        Outcome::RetryScheduled => 1,
+        Outcome::DeadLettered(_) => 2,
+        Outcome::Stranded => 3,
+        Outcome::Uncertain => 4,
+        Outcome::Requeued => 5,
+        Outcome::Released => 6,
+    }
+}
+
+impl OutcomeCounters {
+    /// Count one settled delivery.
+    pub fn record(&self, o: Outcome) {
+        self.counts[outcome_index(o)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (label, count) per outcome.
+    pub fn snapshot(&self) -> [(&'static str, u64); OUTCOMES.len()] {
+        std::array::from_fn(|i| (OUTCOMES[i], self.counts[i].load(Ordering::Relaxed)))
+    }
+}
+
+/// Upper bounds of the call duration buckets, seconds; the last is open.
+pub const CALL_BUCKETS: [f64; 12] = [
+    0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
+];
+
+/// What one handler did: outcomes of its messages, how long its calls took,
+/// how many run now. Shared by every version of the handler.
+#[derive(Debug, Default)]
+pub struct HandlerMetrics {
+    /// Settled deliveries of the handler's messages.
+    pub outcomes: OutcomeCounters,
+    /// Calls per duration bucket (index as [`CALL_BUCKETS`], then +Inf).
+    buckets: [AtomicU64; CALL_BUCKETS.len() + 1],
+    /// Sum of call durations, nanoseconds.
+    sum_ns: AtomicU64,
+    /// Calls running now.
+    in_flight: AtomicI64,
+}
+
+impl HandlerMetrics {
+    /// A call starts.
+    pub fn enter(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A call ended after `d`.
+    pub fn exit(&self, d: Duration) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let secs = d.as_secs_f64();
+        let i = CALL_BUCKETS
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(CALL_BUCKETS.len());
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// Calls running now.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// (sum of durations in seconds, calls, cumulative count per bucket bound).
+    pub fn durations(&self) -> (f64, u64, Vec<(f64, u64)>) {
+        let mut total = 0;
+        let mut cumulative = Vec::with_capacity(CALL_BUCKETS.len());
+        for (i, b) in self.buckets.iter().enumerate() {
+            total += b.load(Ordering::Relaxed);
+            if let Some(bound) = CALL_BUCKETS.get(i) {
+                cumulative.push((*bound, total));
+            }
+        }
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        (sum, total, cumulative)
+    }
+}
 
 /// Counters, all monotonic.
 #[derive(Debug, Default)]
@@ -39,6 +144,8 @@ pub struct Stats {
     pub batch_replays: AtomicU64,
     /// Members of unfinished batches returned to the broker by a drain.
     pub batch_released: AtomicU64,
+    /// Outcomes per (topology, slot), handed to each slot's runner when it starts.
+    slots: parking_lot::Mutex<BTreeMap<SlotKey, Arc<OutcomeCounters>>>,
 }
 
 /// Upper bounds (inclusive) of the batch size buckets; the last is open.
@@ -92,6 +199,16 @@ impl Stats {
             Outcome::Released => &self.released,
         };
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The outcome counters of one slot (the same ones each time it runs here).
+    pub fn slot(&self, topology: &Arc<str>, slot: u32) -> Arc<OutcomeCounters> {
+        self.slots.lock().entry((topology.clone(), slot)).or_default().clone()
+    }
+
+    /// Every slot's outcome counters.
+    pub fn slots(&self) -> Vec<(SlotKey, Arc<OutcomeCounters>)> {
+        self.slots.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
     /// Count a batch of `size` members handed to `handle-batch` for `reason`.

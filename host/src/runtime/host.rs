@@ -48,6 +48,14 @@ pub struct HostState {
     pub(crate) interrupted: Option<Interruption>,
     /// The guest's stdout/stderr tail, unless it was granted the host's.
     pub(crate) stdio: Option<super::stdio::TailPipe>,
+    /// CPU time after which the current call is a long one (`on_long_call`
+    /// runs then, once). CPU time, not wall time: a short call that the OS
+    /// preempted on a busy machine is not long.
+    pub(crate) long_call: Option<std::time::Duration>,
+    /// The thread's CPU time at the first epoch tick of the current call.
+    pub(crate) cpu_mark: Option<std::time::Duration>,
+    /// What a worker does about a long call (demote itself, send a replacement).
+    pub(crate) on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// Why the host stopped a running call.
@@ -79,6 +87,9 @@ impl HostState {
             cancel: None,
             interrupted: None,
             stdio,
+            long_call: None,
+            cpu_mark: None,
+            on_long_call: None,
         }
     }
 
@@ -97,12 +108,42 @@ impl HostState {
             self.interrupted = Some(Interruption::Cancelled);
             return true;
         }
-        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+        let now = Instant::now();
+        if self.deadline.is_some_and(|d| now >= d) {
             self.interrupted = Some(Interruption::Timeout);
             return true;
         }
+        // Only calls that outlive an epoch tick get here, so only they pay
+        // for reading the thread's CPU clock.
+        if let Some(budget) = self.long_call {
+            let cpu = thread_cpu_time();
+            match self.cpu_mark {
+                None => self.cpu_mark = Some(cpu),
+                Some(mark) if cpu.saturating_sub(mark) >= budget => {
+                    self.long_call = None;
+                    if let Some(hook) = &self.on_long_call {
+                        hook();
+                    }
+                }
+                Some(_) => {}
+            }
+        }
         false
     }
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec we own.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+    if !ok {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(
+        u64::try_from(ts.tv_sec).unwrap_or(0),
+        u32::try_from(ts.tv_nsec).unwrap_or(0),
+    )
 }
 
 impl WasiView for HostState {

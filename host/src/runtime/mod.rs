@@ -31,6 +31,11 @@ use crate::envelope::Envelope;
 /// How often the epoch advances; the granularity of timeouts and cancellation.
 pub const EPOCH_TICK: Duration = Duration::from_millis(5);
 
+/// Default of [`RuntimeOptions::demote_after`]: well above a typical call (micro- to
+/// a few milliseconds), far below the timeouts that end runaway ones. A longer call is not
+/// stopped by it, only moved behind the short ones for the rest of its run.
+pub const DEMOTE_AFTER: Duration = Duration::from_millis(20);
+
 /// Process-wide runtime options.
 #[derive(Debug, Clone)]
 pub struct RuntimeOptions {
@@ -42,6 +47,12 @@ pub struct RuntimeOptions {
     pub max_wasm_stack: usize,
     /// Where compiled components are cached by digest (`None`: no cache).
     pub cache_dir: Option<PathBuf>,
+    /// Meter fuel, so handlers with `limits.fuel` can be stopped by it (costs every call a
+    /// little; on only when some handler or tenant sets fuel).
+    pub fuel: bool,
+    /// A call that burns more CPU than this loses its worker's normal CPU priority for the
+    /// rest of the call, and a fresh worker takes its place (`None`: never).
+    pub demote_after: Option<Duration>,
 }
 
 impl Default for RuntimeOptions {
@@ -51,6 +62,8 @@ impl Default for RuntimeOptions {
             pool_instances: 256,
             max_wasm_stack: 512 << 10,
             cache_dir: None,
+            fuel: false,
+            demote_after: Some(DEMOTE_AFTER),
         }
     }
 }
@@ -137,6 +150,24 @@ pub struct HandlerSettings {
     /// Calls of this handler that may run at once on this node (and so
     /// instances in use at once).
     pub max_instances: usize,
+    /// Admission shared by every version of this handler (`None`: each
+    /// version gets its own, `max_instances` permits).
+    pub permits: Option<Arc<tokio::sync::Semaphore>>,
+    /// The tenant this handler is bound to, with the tenant's shared admission.
+    pub tenant: Option<TenantShare>,
+    /// Fuel one call may burn; `None`: unmetered.
+    pub fuel: Option<u64>,
+    /// Outcomes, call durations and calls in flight, shared by the handler's versions.
+    pub metrics: Arc<crate::stats::HandlerMetrics>,
+}
+
+/// A tenant's share of the node: calls of all its handlers at once.
+#[derive(Debug, Clone)]
+pub struct TenantShare {
+    /// The tenant id.
+    pub name: Arc<str>,
+    /// Calls of the tenant's handlers that may run at once (`None`: unbounded).
+    pub permits: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl HandlerSettings {
@@ -151,6 +182,10 @@ impl HandlerSettings {
             wasi: WasiGrants::default(),
             max_publish_per_call: 1000,
             max_instances: 16,
+            permits: None,
+            tenant: None,
+            fuel: None,
+            metrics: Arc::default(),
         }
     }
 }
@@ -188,6 +223,30 @@ impl HandlerVersion {
         &self.settings.name
     }
 
+    /// The same compiled code as a new version (new id, no cached
+    /// instances, not retired): a rollback to code that was retired.
+    pub fn reissue(&self) -> Arc<HandlerVersion> {
+        Arc::new(HandlerVersion {
+            id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
+            digest: self.digest.clone(),
+            size: self.size,
+            settings: self.settings.clone(),
+            permits: self.permits.clone(),
+            pre: self.pre.clone(),
+            retired: AtomicBool::new(false),
+        })
+    }
+
+    /// The tenant this version's handler is bound to.
+    pub fn tenant(&self) -> Option<&TenantShare> {
+        self.settings.tenant.as_ref()
+    }
+
+    /// Whether this version has been replaced.
+    pub fn retired(&self) -> bool {
+        self.is_retired()
+    }
+
     /// Mark this version as replaced: workers drop their cached instances.
     pub fn retire(&self) {
         self.retired.store(true, Ordering::Relaxed);
@@ -200,6 +259,9 @@ impl HandlerVersion {
 
 /// Observes every guest call (a test ledger or the demo's overlap detector).
 pub trait CallObserver: Send + Sync {
+    /// Right before [`CallObserver::before`] (and for every member of a
+    /// batch): the version about to run `msg`, by digest.
+    fn version(&self, _msg: &Envelope, _digest: &str) {}
     /// Right before the guest is entered for `msg`.
     fn before(&self, msg: &Envelope);
     /// Right after it returned, trapped or was interrupted.
@@ -247,6 +309,7 @@ impl Runtime {
         let mut cfg = wasmtime::Config::new();
         cfg.wasm_component_model(true)
             .epoch_interruption(true)
+            .consume_fuel(options.fuel)
             .concurrency_support(false)
             .max_wasm_stack(options.max_wasm_stack)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
@@ -289,6 +352,11 @@ impl Runtime {
         Ok(Arc::new(rt))
     }
 
+    /// The options the engine was built with.
+    pub fn options(&self) -> &RuntimeOptions {
+        &self.options
+    }
+
     /// The wasmtime engine.
     pub fn engine(&self) -> &Engine {
         &self.engine
@@ -327,8 +395,18 @@ impl Runtime {
             .with_context(|| {
                 format!("{origin} does not implement the weir:handler/handler world (imports or exports differ)")
             })?;
+        if settings.fuel.is_some() && !self.options.fuel {
+            anyhow::bail!(
+                "handler `{}`: limits.fuel is set but this node started without fuel metering \
+                 (it is switched on at start when any configured handler or tenant sets fuel)",
+                settings.name
+            );
+        }
         let version = HandlerVersion {
-            permits: Arc::new(tokio::sync::Semaphore::new(settings.max_instances.max(1))),
+            permits: settings
+                .permits
+                .clone()
+                .unwrap_or_else(|| Arc::new(tokio::sync::Semaphore::new(settings.max_instances.max(1)))),
             id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
             digest,
             size: bytes.len(),
@@ -338,7 +416,7 @@ impl Runtime {
         };
         // Instantiate once now, so a component that traps in its start
         // function or needs more memory than allowed is refused at load.
-        let mut probe = Instance::new(&self.engine, &version)
+        let mut probe = Instance::new(&self.engine, &version, self.options.fuel)
             .with_context(|| format!("{origin}: instantiating handler `{}`", version.name()))?;
         drop(probe.store.data_mut().outbox.drain(..));
         Ok(Arc::new(version))
@@ -445,8 +523,14 @@ struct Instance {
 }
 
 impl Instance {
-    fn new(engine: &Engine, version: &HandlerVersion) -> anyhow::Result<Self> {
+    fn new(engine: &Engine, version: &HandlerVersion, fuel: bool) -> anyhow::Result<Self> {
         let mut store = Store::new(engine, HostState::new(version.settings.clone()));
+        if fuel {
+            // Instantiation (start functions) is metered like a call.
+            store
+                .set_fuel(version.settings.fuel.unwrap_or(u64::MAX))
+                .map_err(anyhow::Error::from)?;
+        }
         store.limiter(|s| s.limiter());
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|ctx| {
@@ -475,6 +559,8 @@ impl ShouldInterrupt for wasmtime::StoreContextMut<'_, HostState> {
 /// One per worker thread; not shared.
 pub struct Executor {
     runtime: Arc<Runtime>,
+    /// Run on the worker's own thread when a call outlives `demote_after`.
+    on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
     /// Reusable instances by version id (ids are unique: no hashing needed).
     cache: HashMap<u64, (Arc<HandlerVersion>, Instance), nohash_hasher::BuildNoHashHasher<u64>>,
 }
@@ -484,8 +570,15 @@ impl Executor {
     pub fn new(runtime: Arc<Runtime>) -> Self {
         Self {
             runtime,
+            on_long_call: None,
             cache: HashMap::default(),
         }
+    }
+
+    /// Run `hook` on this executor's thread, from inside the call, when a call
+    /// outlives the runtime's `demote_after` (once per call).
+    pub fn on_long_call(&mut self, hook: Arc<dyn Fn() + Send + Sync>) {
+        self.on_long_call = Some(hook);
     }
 
     fn instance(&mut self, version: &Arc<HandlerVersion>) -> Result<Instance, Fault> {
@@ -494,7 +587,7 @@ impl Executor {
         {
             return Ok(inst);
         }
-        Instance::new(&self.runtime.engine, version).map_err(|e| Fault {
+        Instance::new(&self.runtime.engine, version, self.runtime.options.fuel).map_err(|e| Fault {
             kind: FaultKind::Instantiate,
             detail: format!("{e:#}"),
         })
@@ -509,9 +602,19 @@ impl Executor {
         }
     }
 
-    fn arm(inst: &mut Instance, version: &HandlerVersion, msg: &Envelope, cancel: &Option<Arc<AtomicBool>>) {
+    fn arm(&self, inst: &mut Instance, version: &HandlerVersion, msg: &Envelope, cancel: &Option<Arc<AtomicBool>>) {
+        if self.runtime.options.fuel {
+            // Unmetered handlers get all the fuel there is.
+            let fuel = version.settings.fuel.unwrap_or(u64::MAX);
+            if let Err(e) = inst.store.set_fuel(fuel) {
+                tracing::error!(error = %e, "setting fuel");
+            }
+        }
         let data = inst.store.data_mut();
         data.deadline = Some(Instant::now() + version.settings.timeout);
+        data.long_call = self.runtime.options.demote_after;
+        data.cpu_mark = None;
+        data.on_long_call.clone_from(&self.on_long_call);
         data.cancel.clone_from(cancel);
         data.interrupted = None;
         data.take_memory_denied();
@@ -538,6 +641,10 @@ impl Executor {
                 format!("limit {} bytes; {err}", data.settings.memory_limit)
             }
             (_, Some(Trap::StackOverflow)) => "stack overflow".to_owned(),
+            (_, Some(Trap::OutOfFuel)) => format!(
+                "ran out of fuel (limit {} per call)",
+                data.settings.fuel.unwrap_or(u64::MAX)
+            ),
             _ => format!("{err:#}"),
         };
         // The guest's last words (a panic message) say more than the trap.
@@ -559,11 +666,16 @@ impl Executor {
             Ok(i) => i,
             Err(f) => return CallOutcome::Fault(f),
         };
-        Self::arm(&mut inst, version, msg, cancel);
+        self.arm(&mut inst, version, msg, cancel);
         if let Some(o) = &self.runtime.observer {
+            o.version(msg, &version.digest);
             o.before(msg);
         }
+        let metrics = &version.settings.metrics;
+        metrics.enter();
+        let started = Instant::now();
         let r = inst.bindings.call_handle(&mut inst.store, msg);
+        metrics.exit(started.elapsed());
         if let Some(o) = &self.runtime.observer {
             o.after(msg);
         }
@@ -598,11 +710,18 @@ impl Executor {
             Ok(i) => i,
             Err(f) => return BatchOutcome::Fault(f),
         };
-        Self::arm(&mut inst, version, first, cancel);
+        self.arm(&mut inst, version, first, cancel);
         if let Some(o) = &self.runtime.observer {
+            for m in batch {
+                o.version(m, &version.digest);
+            }
             o.before_batch(batch);
         }
+        let metrics = &version.settings.metrics;
+        metrics.enter();
+        let started = Instant::now();
         let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
+        metrics.exit(started.elapsed());
         if let Some(o) = &self.runtime.observer {
             o.after_batch(batch);
         }

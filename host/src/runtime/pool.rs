@@ -47,9 +47,84 @@ pub enum Job {
 }
 
 /// The worker threads. Dropping the pool lets them finish queued jobs and exit.
+///
+/// Fair share: a call that outlives the runtime's `demote_after` (a runaway
+/// or very heavy guest) moves its thread to the idle scheduling class for
+/// the rest of that call, and a fresh worker takes its place in the pool; the
+/// demoted thread exits when the call ends. So the pool always has its full
+/// number of workers at normal priority for everyone else, while the long
+/// call still gets whatever CPU is left over until its timeout ends it.
 pub struct WorkerPool {
     tx: Option<crossbeam_channel::Sender<Job>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    shared: Arc<Shared>,
+    size: usize,
+}
+
+struct Shared {
+    rx: crossbeam_channel::Receiver<Job>,
+    runtime: Arc<Runtime>,
+    threads: parking_lot::Mutex<Vec<std::thread::JoinHandle<()>>>,
+    spawned: std::sync::atomic::AtomicUsize,
+    demoted: std::sync::atomic::AtomicU64,
+}
+
+thread_local! {
+    /// Set on a worker thread that demoted itself during a long call.
+    static DEMOTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl Shared {
+    fn spawn_worker(self: &Arc<Self>) -> anyhow::Result<()> {
+        let i = self.spawned.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shared = self.clone();
+        let t = std::thread::Builder::new()
+            .name(format!("weir-worker-{i}"))
+            .stack_size(8 << 20)
+            .spawn(move || shared.work())
+            .context("starting a worker thread")?;
+        self.threads.lock().push(t);
+        Ok(())
+    }
+
+    fn work(self: Arc<Self>) {
+        let mut exec = Executor::new(self.runtime.clone());
+        let me = Arc::downgrade(&self);
+        exec.on_long_call(Arc::new(move || {
+            if DEMOTED.get() {
+                return;
+            }
+            DEMOTED.set(true);
+            demote_current_thread();
+            if let Some(shared) = me.upgrade() {
+                shared.demoted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if let Err(e) = shared.spawn_worker() {
+                    tracing::error!(error = %e, "cannot replace a demoted worker");
+                }
+            }
+        }));
+        while let Ok(job) = self.rx.recv() {
+            run(&mut exec, job);
+            if DEMOTED.get() {
+                // A replacement runs at normal priority already.
+                break;
+            }
+        }
+    }
+}
+
+/// Move the calling thread to the idle scheduling class (it then runs only
+/// when a core would otherwise idle); nice 19 where that is refused.
+fn demote_current_thread() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: plain syscalls on the calling thread (pid 0), with a valid parameter.
+        let ok = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0
+            || unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) } == 0;
+        if !ok {
+            tracing::warn!("could not lower a long call's worker priority");
+        }
+    }
 }
 
 impl WorkerPool {
@@ -61,28 +136,31 @@ impl WorkerPool {
             workers
         };
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let mut threads = Vec::with_capacity(workers);
-        for i in 0..workers {
-            let rx = rx.clone();
-            let rt = runtime.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("weir-worker-{i}"))
-                .stack_size(8 << 20)
-                .spawn(move || {
-                    let mut exec = Executor::new(rt);
-                    for job in rx {
-                        run(&mut exec, job);
-                    }
-                })
-                .context("starting a worker thread")?;
-            threads.push(t);
+        let shared = Arc::new(Shared {
+            rx,
+            runtime,
+            threads: parking_lot::Mutex::new(Vec::with_capacity(workers)),
+            spawned: std::sync::atomic::AtomicUsize::new(0),
+            demoted: std::sync::atomic::AtomicU64::new(0),
+        });
+        for _ in 0..workers {
+            shared.spawn_worker()?;
         }
-        Ok(Self { tx: Some(tx), threads })
+        Ok(Self {
+            tx: Some(tx),
+            shared,
+            size: workers,
+        })
     }
 
-    /// Number of worker threads.
+    /// Calls that outlived `demote_after` and had their worker replaced.
+    pub fn demoted(&self) -> u64 {
+        self.shared.demoted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Number of worker threads at normal priority.
     pub fn size(&self) -> usize {
-        self.threads.len()
+        self.size
     }
 
     /// Queue a job. The queue is unbounded on purpose: what is in flight is
@@ -176,8 +254,15 @@ fn run(exec: &mut Executor, job: Job) {
 impl Drop for WorkerPool {
     fn drop(&mut self) {
         self.tx = None;
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+        // Demoted workers may start replacements while the queue drains.
+        loop {
+            let threads = std::mem::take(&mut *self.shared.threads.lock());
+            if threads.is_empty() {
+                break;
+            }
+            for t in threads {
+                let _ = t.join();
+            }
         }
     }
 }
