@@ -25,6 +25,8 @@ fn main() {
         println!("cargo:rerun-if-changed={}", root.join(dir).display());
     }
     println!("cargo:rerun-if-env-changed=WEIR_SKIP_GUEST_BUILD");
+    // `sqlx::migrate!` embeds the migrations: rebuild when one is added.
+    println!("cargo:rerun-if-changed={}", manifest.join("migrations").display());
 
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_else(|_| ".".into()));
     let target_dir = root.join("target").join("guests");

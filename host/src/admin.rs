@@ -1,7 +1,17 @@
 //! The admin HTTP listener (`[node] admin = "ADDR"`): `GET /health`,
-//! `GET /ready`, `GET /metrics` (Prometheus text) and `GET /v1/slots`.
-//! Read-only so far; deploys, rollbacks and tokens come with the handler
-//! registry. Bind it to an address only operators reach.
+//! `GET /ready`, `GET /metrics` (Prometheus text), `GET /v1/slots`,
+//! `GET /v1/handlers`, `PUT /v1/handlers/{name}` (body: component bytes;
+//! optional grants `?env=NAME&dir=GUEST:HOST`) and
+//! `POST /v1/handlers/{name}/rollback`.
+//!
+//! Bearer tokens: `node.admin_token` (the operator) may do everything; a
+//! `[[tenant]] token` sees and changes only that tenant's handlers. `/health`
+//! and `/ready` are open (probes). With no token configured at all, the
+//! read-only routes are open and deploys are refused. Missing or unknown
+//! token: 401; a tenant token on another tenant's handler or an operator
+//! route: 403; an upload over `node.max_component_size`: 413; a component
+//! that fails validation: 400 with the reason. A refused deploy leaves the
+//! running version serving.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,19 +19,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
 use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::Registry as Metrics;
 use tokio::sync::watch;
 
 use crate::cluster::postgres::{self, SlotStatus, Status};
 use crate::cluster::slots::SlotSet;
+use crate::registry::{Caller, DeployError, DirGrant, Grants};
 use crate::retry::capture::Reason;
 use crate::stats::Stats;
 use crate::transport::Transport;
@@ -40,6 +51,117 @@ pub struct AdminState {
     pub coordinator: Option<sqlx::PgPool>,
     /// False while the node cannot take work (starting, fenced, stopping).
     pub ready: Arc<AtomicBool>,
+    /// Handler versions.
+    pub registry: Arc<crate::registry::Registry>,
+    /// Largest upload `PUT /v1/handlers/{name}` reads (`node.max_component_size`).
+    pub max_upload: usize,
+    /// Who may do what.
+    pub auth: Auth,
+}
+
+/// The tokens, kept as sha256 digests and compared digest to digest, so a
+/// comparison's time says nothing about the secret.
+#[derive(Debug, Clone, Default)]
+pub struct Auth {
+    operator: Option<[u8; 32]>,
+    tenants: Vec<([u8; 32], String)>,
+}
+
+fn token_digest(token: &str) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token.as_bytes()).into()
+}
+
+/// Why a request is refused before it does anything.
+enum Denied {
+    /// No credentials, or unknown ones.
+    Unauthorized(&'static str),
+    /// Known caller, not allowed here.
+    Forbidden(String),
+}
+
+impl IntoResponse for Denied {
+    fn into_response(self) -> Response {
+        match self {
+            Denied::Unauthorized(why) => (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                error_body(why),
+            )
+                .into_response(),
+            Denied::Forbidden(why) => (StatusCode::FORBIDDEN, error_body(&why)).into_response(),
+        }
+    }
+}
+
+fn error_body(message: &str) -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({ "error": message }))
+}
+
+impl Auth {
+    /// The operator token and every tenant's.
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        Self {
+            operator: config.node.admin_token.as_deref().map(token_digest),
+            tenants: config
+                .tenant
+                .iter()
+                .filter_map(|t| Some((token_digest(t.token.as_deref()?), t.name.clone())))
+                .collect(),
+        }
+    }
+
+    fn configured(&self) -> bool {
+        self.operator.is_some() || !self.tenants.is_empty()
+    }
+
+    /// Who presented `headers`' bearer token. `None` with no tokens configured at all.
+    fn caller(&self, headers: &HeaderMap) -> Result<Option<Caller>, Denied> {
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim);
+        let Some(token) = presented else {
+            return if self.configured() {
+                Err(Denied::Unauthorized(
+                    "missing bearer token (Authorization: Bearer TOKEN)",
+                ))
+            } else {
+                Ok(None)
+            };
+        };
+        let d = token_digest(token);
+        if self.operator == Some(d) {
+            return Ok(Some(Caller::Operator));
+        }
+        match self.tenants.iter().find(|(t, _)| *t == d) {
+            Some((_, name)) => Ok(Some(Caller::Tenant(name.clone()))),
+            None => Err(Denied::Unauthorized("unknown token")),
+        }
+    }
+
+    /// Operator routes (metrics, slots): open only when no token is configured.
+    fn operator(&self, headers: &HeaderMap) -> Result<(), Denied> {
+        match self.caller(headers)? {
+            None | Some(Caller::Operator) => Ok(()),
+            Some(Caller::Tenant(t)) => Err(Denied::Forbidden(format!(
+                "a tenant token ({t}) may only see and change its own handlers"
+            ))),
+        }
+    }
+
+    /// Reading handlers: everyone configured sees what is theirs; with no tokens, all.
+    fn reader(&self, headers: &HeaderMap) -> Result<Caller, Denied> {
+        Ok(self.caller(headers)?.unwrap_or(Caller::Operator))
+    }
+
+    /// Changing handlers: a token is always needed.
+    fn writer(&self, headers: &HeaderMap) -> Result<Caller, Denied> {
+        self.caller(headers)?.ok_or(Denied::Unauthorized(
+            "deploys need a bearer token, and this node has none configured (node.admin_token, tenant.token)",
+        ))
+    }
 }
 
 /// Serve until `stop` turns true.
@@ -57,6 +179,11 @@ pub async fn serve(
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/v1/slots", get(slots))
+        .route("/v1/handlers", get(handlers))
+        .route("/v1/handlers/{name}", get(handler).put(deploy))
+        .route("/v1/handlers/{name}/rollback", post(rollback))
+        // Uploads are read by `deploy` itself, after the token is checked.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state);
     Ok(tokio::spawn(async move {
         let shutdown = async move {
@@ -118,7 +245,10 @@ pub async fn slot_status(s: &AdminState) -> anyhow::Result<Status> {
     Ok(status)
 }
 
-async fn slots(State(s): State<Arc<AdminState>>) -> Response {
+async fn slots(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Err(d) = s.auth.operator(&headers) {
+        return d.into_response();
+    }
     match slot_status(&s).await {
         Ok(status) => axum::Json(status).into_response(),
         Err(e) => (
@@ -129,9 +259,144 @@ async fn slots(State(s): State<Arc<AdminState>>) -> Response {
     }
 }
 
-async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
-    let mut registry = Registry::with_prefix("weir");
+async fn handlers(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    match s.auth.reader(&headers) {
+        Ok(caller) => axum::Json(serde_json::json!({ "handlers": s.registry.list(&caller) })).into_response(),
+        Err(d) => d.into_response(),
+    }
+}
+
+async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<String>, headers: HeaderMap) -> Response {
+    let caller = match s.auth.reader(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    if s.registry.tenant_of(&name).is_none() {
+        return deploy_error(DeployError::UnknownHandler(name));
+    }
+    if !s.registry.visible(&caller, &name) {
+        return Denied::Forbidden(format!("handler `{name}` belongs to another tenant")).into_response();
+    }
+    match s.registry.list(&caller).into_iter().find(|h| h.name == name) {
+        Some(h) => axum::Json(h).into_response(),
+        None => deploy_error(DeployError::UnknownHandler(name)),
+    }
+}
+
+fn deploy_error(e: DeployError) -> Response {
+    let status = match &e {
+        DeployError::UnknownHandler(_) => StatusCode::NOT_FOUND,
+        DeployError::Forbidden(_) => StatusCode::FORBIDDEN,
+        DeployError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        DeployError::Invalid(_) => StatusCode::BAD_REQUEST,
+        DeployError::NoPrevious(_) => StatusCode::CONFLICT,
+        DeployError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (status, error_body(&e.to_string())).into_response()
+}
+
+/// `?env=NAME&dir=GUEST:HOST`, repeatable; `None` when neither is given.
+fn parse_grants(query: Option<&str>) -> Result<Option<Grants>, String> {
+    let Some(q) = query.filter(|q| !q.is_empty()) else {
+        return Ok(None);
+    };
+    let mut g = Grants::default();
+    let mut any = false;
+    for (k, v) in form_urlencoded::parse(q.as_bytes()) {
+        match &*k {
+            "env" => {
+                any = true;
+                g.env.push(v.into_owned());
+            }
+            "dir" => {
+                any = true;
+                let (guest, host) = v
+                    .split_once(':')
+                    .ok_or_else(|| format!("dir={v:?}: accepted: GUEST:HOST, e.g. /data:/srv/acme/data"))?;
+                g.dirs.push(DirGrant {
+                    guest: guest.to_owned(),
+                    host: host.into(),
+                });
+            }
+            "grants" if v == "none" => any = true,
+            other => {
+                return Err(format!(
+                    "unknown query parameter {other:?}; accepted: env, dir, grants=none"
+                ));
+            }
+        }
+    }
+    Ok(any.then_some(g))
+}
+
+async fn deploy(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let caller = match s.auth.writer(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    if s.registry.tenant_of(&name).is_none() {
+        return deploy_error(DeployError::UnknownHandler(name));
+    }
+    if !s.registry.visible(&caller, &name) {
+        return Denied::Forbidden(format!(
+            "handler `{name}` does not belong to this token's tenant; a tenant token changes only its own handlers"
+        ))
+        .into_response();
+    }
+    let grants = match parse_grants(query.as_deref()) {
+        Ok(g) => g,
+        Err(e) => return (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
+    };
+    let max = s.max_upload;
+    let bytes = match axum::body::to_bytes(body, max).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut too_large = false;
+            let mut src: Option<&dyn std::error::Error> = Some(&e);
+            while let Some(x) = src {
+                too_large |= x.to_string().contains("length limit exceeded");
+                src = x.source();
+            }
+            return if too_large {
+                deploy_error(DeployError::TooLarge { size: max + 1, max })
+            } else {
+                (StatusCode::BAD_REQUEST, error_body(&format!("reading the upload: {e}"))).into_response()
+            };
+        }
+    };
+    match s.registry.deploy(&caller, &name, bytes.to_vec(), grants, "admin").await {
+        Ok(d) => axum::Json(d).into_response(),
+        Err(e) => {
+            tracing::warn!(handler = %name, error = %e, "deploy refused; the running version stays");
+            deploy_error(e)
+        }
+    }
+}
+
+async fn rollback(State(s): State<Arc<AdminState>>, Path(name): Path<String>, headers: HeaderMap) -> Response {
+    let caller = match s.auth.writer(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    match s.registry.rollback(&caller, &name).await {
+        Ok(d) => axum::Json(d).into_response(),
+        Err(e) => deploy_error(e),
+    }
+}
+
+async fn metrics(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Err(d) = s.auth.operator(&headers) {
+        return d.into_response();
+    }
+    let mut registry = Metrics::with_prefix("weir");
     registry.register_collector(Box::new(Scrape {
+        handlers: s.registry.clone(),
         stats: s.stats.clone(),
         slots: s.slots.clone(),
         transport: s.transport.clone(),
@@ -152,6 +417,7 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
 
 /// Reads the counters at scrape time.
 struct Scrape {
+    handlers: Arc<crate::registry::Registry>,
     stats: Arc<Stats>,
     slots: Arc<SlotSet>,
     transport: Arc<dyn Transport>,
@@ -268,6 +534,97 @@ impl Collector for Scrape {
             let c = ConstCounter::new(n);
             c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
         }
+        {
+            let probe = ConstGauge::new(1i64);
+            let mut m = encoder.encode_descriptor(
+                "handler_version_info",
+                "The version each handler runs now (sha256 of the component).",
+                None,
+                probe.metric_type(),
+            )?;
+            for h in self.handlers.list(&Caller::Operator) {
+                let tenant = h.tenant.clone().unwrap_or_default();
+                let labels = [
+                    ("handler", h.name.as_str()),
+                    ("tenant", tenant.as_str()),
+                    ("digest", h.current.digest.as_str()),
+                    ("source", h.current.source.as_str()),
+                ];
+                ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let handler_metrics = self.handlers.metrics();
+        {
+            let probe = ConstCounter::new(0u64);
+            let mut m = encoder.encode_descriptor(
+                "handler_messages",
+                "Settled deliveries by handler, tenant and outcome.",
+                None,
+                probe.metric_type(),
+            )?;
+            for (name, tenant, hm) in &handler_metrics {
+                for (outcome, n) in hm.outcomes.snapshot() {
+                    let labels = [
+                        ("handler", *name),
+                        ("tenant", tenant.unwrap_or("")),
+                        ("outcome", outcome),
+                    ];
+                    ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+                }
+            }
+        }
+        {
+            let probe = ConstCounter::new(0u64);
+            let mut m = encoder.encode_descriptor(
+                "slot_messages",
+                "Settled deliveries by topology, slot and outcome.",
+                None,
+                probe.metric_type(),
+            )?;
+            for ((topology, slot), counters) in self.stats.slots() {
+                let slot = slot.to_string();
+                for (outcome, n) in counters.snapshot() {
+                    let labels = [("topology", &*topology), ("slot", slot.as_str()), ("outcome", outcome)];
+                    ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+                }
+            }
+        }
+        {
+            let probe = ConstGauge::new(0i64);
+            let mut m = encoder.encode_descriptor(
+                "handler_calls_in_flight",
+                "Guest calls running now, by handler.",
+                None,
+                probe.metric_type(),
+            )?;
+            for (name, tenant, hm) in &handler_metrics {
+                let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
+                ConstGauge::new(hm.in_flight()).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut m = encoder.encode_descriptor(
+                "handler_call_duration_seconds",
+                "Guest call durations (handle and handle-batch), by handler.",
+                None,
+                prometheus_client::metrics::MetricType::Histogram,
+            )?;
+            for (name, tenant, hm) in &handler_metrics {
+                let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
+                let (sum, count, buckets) = hm.durations();
+                let mut buckets: Vec<(f64, u64)> = buckets;
+                buckets.push((f64::MAX, count));
+                let mut family = m.encode_family(&labels)?;
+                family.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
+            }
+        }
+        let swaps = ConstCounter::new(self.handlers.swaps());
+        swaps.encode(encoder.encode_descriptor(
+            "handler_swaps",
+            "Deploys and rollbacks that changed a handler's version on this node.",
+            None,
+            swaps.metric_type(),
+        )?)?;
         let owned = ConstGauge::new(i64::try_from(self.slots.running().len()).unwrap_or(i64::MAX));
         owned.encode(encoder.encode_descriptor(
             "slots_owned",

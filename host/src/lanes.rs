@@ -70,6 +70,15 @@ impl Pipeline {
             o.settled(id, outcome);
         }
     }
+
+    /// [`Pipeline::record`], also counted for the slot and the handler.
+    fn record_in(&self, s: &SlotSettings, handler: Option<&HandlerVersion>, id: &str, outcome: Outcome) {
+        self.record(id, outcome);
+        s.counters.record(outcome);
+        if let Some(h) = handler {
+            h.settings.metrics.outcomes.record(outcome);
+        }
+    }
 }
 
 /// How one slot is run.
@@ -79,6 +88,8 @@ pub struct SlotSettings {
     pub topology: Arc<str>,
     /// The slot this runner consumes.
     pub slot: u32,
+    /// Outcomes of this slot's messages (`weir_slot_messages_total`).
+    pub counters: Arc<crate::stats::OutcomeCounters>,
     /// Slots in the topology (for cascades).
     pub slots: u32,
     /// Lanes (groups) running at once in this slot.
@@ -514,9 +525,26 @@ impl SlotRunner {
             let mut batches = Vec::new();
             let mut batch_keys = Vec::new();
             let mut members = 0;
+            // One tenant per job: a job runs on one worker, one message after
+            // another, so a tenant waiting on its concurrency limit or
+            // running away must not hold another tenant's messages.
+            let mut job_tenant: Option<Option<String>> = None;
             while run.len() + members < target && self.running_groups < self.s.max_concurrent_groups {
                 let Some(key) = self.ready.pop_front() else { break };
                 let Some(lane) = self.lanes.get_mut(&key) else { continue };
+                let tenant = lane
+                    .queue
+                    .front()
+                    .and_then(Queued::env)
+                    .and_then(|e| e.tenant_id.as_deref());
+                match &job_tenant {
+                    None => job_tenant = Some(tenant.map(str::to_owned)),
+                    Some(t) if t.as_deref() == tenant => {}
+                    Some(_) => {
+                        self.ready.push_front(key);
+                        break;
+                    }
+                }
                 lane.ready = false;
                 if let Some(rule) = lane.queue.front().and_then(|q| q.batch.clone()) {
                     match take_batch(lane, &rule, now) {
@@ -572,6 +600,18 @@ impl SlotRunner {
             let n = (self.unordered.len() / workers)
                 .clamp(1, unordered_run)
                 .min(self.unordered.len());
+            // One tenant per job, as for lanes.
+            fn tenant_of(d: &Delivery) -> Option<&str> {
+                d.message.as_ref().ok().and_then(|e| e.tenant_id.as_deref())
+            }
+            let first = self.unordered.front().and_then(tenant_of);
+            let n = self
+                .unordered
+                .iter()
+                .take(n)
+                .take_while(|d| tenant_of(d) == first)
+                .count()
+                .max(1);
             let run: Vec<Delivery> = self.unordered.drain(..n).collect();
             self.running_unordered += 1;
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
@@ -683,7 +723,7 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
             env.attempt
         );
         let outcome = capture_envelope(p, s, &env, acker, Reason::Exhausted, &error, &source, None, tag).await;
-        p.record(&env.id, outcome);
+        p.record_in(s, None, &env.id, outcome);
         return None;
     }
     match p.router.route(&s.topology, &env) {
@@ -704,25 +744,38 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
                 s.topology
             );
             let outcome = capture_envelope(p, s, &env, acker, Reason::NoHandler, &error, &source, None, tag).await;
-            p.record(&env.id, outcome);
+            p.record_in(s, None, &env.id, outcome);
             None
         }
     }
 }
 
-/// Admission per handler (`limits.instances`), acquired in a fixed order
-/// so two lanes can never each hold what the other waits for.
+/// Admission per handler (`limits.instances`) and per tenant
+/// (`tenant.limits.concurrency`), acquired in one global order (handlers by
+/// version id, then tenants by name) so two lanes can never each hold what
+/// the other waits for.
 async fn admission<'a>(
     handlers: impl Iterator<Item = &'a Arc<HandlerVersion>>,
 ) -> Vec<tokio::sync::OwnedSemaphorePermit> {
     let mut handlers: Vec<&Arc<HandlerVersion>> = handlers.collect();
     handlers.sort_by_key(|h| h.id);
     handlers.dedup_by_key(|h| h.id);
-    let mut permits = Vec::with_capacity(handlers.len());
-    for h in handlers {
-        match h.permits.clone().acquire_owned().await {
+    let mut tenants: Vec<&crate::runtime::TenantShare> = handlers
+        .iter()
+        .filter_map(|h| h.tenant())
+        .filter(|t| t.permits.is_some())
+        .collect();
+    tenants.sort_by(|a, b| a.name.cmp(&b.name));
+    tenants.dedup_by(|a, b| a.name == b.name);
+    let mut permits = Vec::with_capacity(handlers.len() + tenants.len());
+    let sems = handlers
+        .iter()
+        .map(|h| (h.name(), &h.permits))
+        .chain(tenants.iter().filter_map(|t| Some((&*t.name, t.permits.as_ref()?))));
+    for (name, sem) in sems {
+        match sem.clone().acquire_owned().await {
             Ok(permit) => permits.push(permit),
-            Err(_) => tracing::error!(handler = h.name(), "handler admission closed"),
+            Err(_) => tracing::error!(handler = name, "admission closed"),
         }
     }
     permits
@@ -906,14 +959,15 @@ async fn settle_all(
                     p.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
                 }
-                p.record(&env.id, Outcome::Handled);
+                p.record_in(s, Some(&pend.handler), &env.id, Outcome::Handled);
             }
             outcome => {
                 let (p, s) = (p.clone(), s.clone());
                 slow.push(Box::pin(async move {
                     let id = p.observer.as_ref().map(|_| env.id.clone());
+                    let handler = pend.handler.clone();
                     let o = settle(&p, &s, env, outcome, pend).await;
-                    p.record(id.as_deref().unwrap_or_default(), o);
+                    p.record_in(&s, Some(&handler), id.as_deref().unwrap_or_default(), o);
                 }));
             }
         }

@@ -13,6 +13,7 @@ pub mod lanes;
 pub mod ledger;
 pub mod node;
 pub mod partition;
+pub mod registry;
 pub mod retry;
 pub mod router;
 pub mod runtime;

@@ -13,6 +13,7 @@ use weir::demo::{self, DemoOptions};
 use weir::journal::{self, Journal};
 use weir::node::{self, Node, NodeOptions};
 
+mod deploy;
 mod publish;
 
 /// Weir: message handlers in WebAssembly, one host per node.
@@ -76,6 +77,40 @@ enum Command {
         /// Topology name; defaults to the config's only topology.
         #[arg(long)]
         topology: Option<String>,
+    },
+    /// Upload a component as a handler's new version through a node's admin
+    /// listener. It is validated first; a refused upload leaves the running
+    /// version serving.
+    Deploy {
+        /// The node's admin listener, e.g. `http://127.0.0.1:9464`.
+        #[arg(long)]
+        admin: String,
+        /// Operator or tenant token (or WEIR_TOKEN).
+        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+        token: String,
+        /// The handler's name.
+        #[arg(long)]
+        handler: String,
+        /// Grant a host environment variable (repeatable; checked against the tenant's allowance).
+        #[arg(long = "grant-env")]
+        grant_env: Vec<String>,
+        /// Grant a read-only directory, `GUEST:HOST` (repeatable).
+        #[arg(long = "grant-dir")]
+        grant_dir: Vec<String>,
+        /// The component.
+        file: PathBuf,
+    },
+    /// Make a handler's previous version current again.
+    Rollback {
+        /// The node's admin listener, e.g. `http://127.0.0.1:9464`.
+        #[arg(long)]
+        admin: String,
+        /// Operator or tenant token (or WEIR_TOKEN).
+        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+        token: String,
+        /// The handler's name.
+        #[arg(long)]
+        handler: String,
     },
     /// Retry schedule tools.
     Schedule {
@@ -199,6 +234,30 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Schedule {
             command: ScheduleCommand::Check { config },
         } => schedule_check(&config),
+        Command::Deploy {
+            admin,
+            token,
+            handler,
+            grant_env,
+            grant_dir,
+            file,
+        } => {
+            let t = deploy::Target {
+                admin: &admin,
+                token: &token,
+                handler: &handler,
+            };
+            deploy::deploy(&t, &file, &grant_env, &grant_dir)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Rollback { admin, token, handler } => {
+            deploy::rollback(&deploy::Target {
+                admin: &admin,
+                token: &token,
+                handler: &handler,
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Status { config, json } => {
             let cfg = config::load(&config)?;
             if cfg.cluster.mode != config::ClusterMode::Postgres {

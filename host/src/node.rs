@@ -14,14 +14,15 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::admin::{self, AdminState};
 use crate::cluster::postgres::Coordinator;
 use crate::cluster::slots::{CancelCell, SlotSet};
-use crate::config::{self, ClusterMode, Config, TransportKind};
+use crate::config::{ClusterMode, Config, TransportKind};
 use crate::envelope::{self, Envelope};
 use crate::lanes::{Pipeline, RunnerReport, SettleObserver, SlotRunner, SlotSettings};
 use crate::partition;
+use crate::registry::Registry;
 use crate::retry::capture::Outcome;
 use crate::router::Router;
 use crate::runtime::pool::WorkerPool;
-use crate::runtime::{self, CallObserver, HandlerSettings, Runtime, RuntimeOptions};
+use crate::runtime::{CallObserver, Runtime, RuntimeOptions};
 use crate::stats::Stats;
 use crate::transport::memory::MemoryBroker;
 use crate::transport::nats::Nats;
@@ -89,52 +90,10 @@ pub struct Node {
     /// Ingress forwarders, one per topology (not part of the slot reports).
     forwarders: JoinSet<anyhow::Result<RunnerReport>>,
     topologies: HashMap<String, u32>,
-}
-
-/// Read a handler's component: a file, or `bundled:NAME`.
-fn component_bytes(h: &config::Handler, index: usize) -> anyhow::Result<Vec<u8>> {
-    let raw = h.component.to_string_lossy();
-    if let Some(name) = raw.rsplit("bundled:").next().filter(|_| raw.contains("bundled:")) {
-        return bundled::get(name).map(<[u8]>::to_vec).with_context(|| {
-            format!("handler[{index}].component = {raw:?}: no bundled component called `{name}` (accepted: bundled:orders, bundled:noop, or a file path)")
-        });
-    }
-    std::fs::read(&h.component)
-        .with_context(|| format!("handler[{index}].component: cannot read {}", h.component.display()))
-}
-
-/// The runtime settings of a configured handler.
-pub fn handler_settings(h: &config::Handler) -> HandlerSettings {
-    let mut s = HandlerSettings::new(&h.name);
-    s.memory_limit = usize::try_from(h.limits.memory.bytes()).unwrap_or(usize::MAX);
-    s.timeout = h.limits.timeout;
-    s.instance_mode = match h.instance_mode {
-        config::InstanceMode::Reuse => runtime::InstanceMode::Reuse,
-        config::InstanceMode::Fresh => runtime::InstanceMode::Fresh,
-    };
-    s.config = h.config.clone();
-    s.max_instances = h.limits.instances as usize;
-    s.wasi = runtime::WasiGrants {
-        env: h
-            .wasi
-            .env
-            .iter()
-            .filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v)))
-            .collect(),
-        inherit_stdio: h.wasi.inherit_stdio,
-        preopens: h
-            .wasi
-            .preopens
-            .iter()
-            .map(|p| runtime::Preopen {
-                host: p.host.clone(),
-                guest: p.guest.clone(),
-                read_only: p.read_only,
-            })
-            .collect(),
-        network: h.wasi.network,
-    };
-    s
+    /// Handler versions: deploys, rollbacks, the cluster's and the watched directory's.
+    registry: Arc<Registry>,
+    /// Following the cluster's deploys, watching the components directory.
+    followers: Vec<JoinHandle<()>>,
 }
 
 /// Threads for the async side (broker I/O, lanes, settlement). The Wasm
@@ -240,19 +199,19 @@ impl Node {
         {
             rt_opts.max_wasm_stack = usize::try_from(stack).unwrap_or(usize::MAX);
         }
+        // Fuel metering costs every call a little: on only when asked for.
+        rt_opts.fuel |= config.handler.iter().any(|h| h.limits.fuel.is_some())
+            || config.tenant.iter().any(|t| t.limits.fuel.is_some());
+        if rt_opts.cache_dir.is_none() {
+            rt_opts.cache_dir = config.node.data_dir.as_ref().map(|d| d.join("cache"));
+        }
         let runtime = match opts.call_observer.clone() {
             Some(o) => Runtime::with_observer(rt_opts, o)?,
             None => Runtime::new(rt_opts)?,
         };
 
         let mut router = Router::new();
-        let mut versions = Vec::new();
         for (i, h) in config.handler.iter().enumerate() {
-            let bytes = component_bytes(h, i)?;
-            let origin = format!("handler[{i}].component ({})", h.component.display());
-            let version = runtime.load(&bytes, handler_settings(h), &origin)?;
-            tracing::info!(handler = %h.name, digest = %version.digest, bytes = version.size, "handler loaded");
-            versions.push(version);
             let types = h
                 .message_types
                 .iter()
@@ -273,15 +232,25 @@ impl Node {
                 router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
             }
         }
-        for v in versions {
-            router.install(v);
-        }
+        let router = Arc::new(router);
+        let postgres = config.cluster.mode == ClusterMode::Postgres;
+        let database = if postgres {
+            let url = config.cluster.database_url.as_deref().unwrap_or_default();
+            Some(
+                crate::cluster::postgres::connect(url)
+                    .await
+                    .with_context(|| format!("{}: cluster.mode = \"postgres\"", config.origin))?,
+            )
+        } else {
+            None
+        };
+        let registry = Registry::start(config, runtime.clone(), router.clone(), database.clone()).await?;
 
         let pool = Arc::new(WorkerPool::new(runtime, opts.workers)?);
         let pipeline = Arc::new(Pipeline {
             transport: transport.clone(),
             pool,
-            router: Arc::new(router),
+            router,
             stats: Arc::new(Stats::default()),
             observer: opts.settle_observer.clone(),
         });
@@ -326,6 +295,7 @@ impl Node {
                 SlotSettings {
                     topology: Arc::from(t.name.as_str()),
                     slot: 0,
+                    counters: Arc::default(),
                     slots: t.slots,
                     max_concurrent_groups: t.max_concurrent_groups as usize,
                     max_unordered: t.max_unordered as usize,
@@ -353,15 +323,8 @@ impl Node {
         for key in &owned {
             slots.start(key);
         }
-        let postgres = config.cluster.mode == ClusterMode::Postgres;
         let ready = Arc::new(AtomicBool::new(!postgres));
-        let mut pool = None;
-        let coordinator = if postgres {
-            let url = config.cluster.database_url.as_deref().unwrap_or_default();
-            let p = crate::cluster::postgres::connect(url)
-                .await
-                .with_context(|| format!("{}: cluster.mode = \"postgres\"", config.origin))?;
-            pool = Some(p.clone());
+        let coordinator = if let Some(p) = database.clone() {
             let c = Coordinator::new(
                 p,
                 &config.node.name,
@@ -381,13 +344,20 @@ impl Node {
                     stats: pipeline.stats.clone(),
                     slots: slots.clone(),
                     transport: transport.clone(),
-                    coordinator: pool,
+                    coordinator: database.clone(),
                     ready: ready.clone(),
+                    registry: registry.clone(),
+                    auth: admin::Auth::from_config(config),
+                    max_upload: usize::try_from(config.node.max_component_size.bytes()).unwrap_or(usize::MAX),
                 });
                 Some(admin::serve(addr, state, stop_rx.clone()).await?)
             }
             None => None,
         };
+        let mut followers: Vec<JoinHandle<()>> = registry.follow(stop_rx.clone()).into_iter().collect();
+        if let Some(dir) = &config.node.components_dir {
+            followers.push(registry.watch(dir.clone(), stop_rx.clone()));
+        }
         tracing::info!(node = %config.node.name, slots = owned.len(), mode = ?config.cluster.mode, transport = transport.system(), "node started");
         Ok(Self {
             pipeline,
@@ -398,7 +368,19 @@ impl Node {
             ready,
             forwarders,
             topologies,
+            registry,
+            followers,
         })
+    }
+
+    /// Handler versions: deploy, roll back, list.
+    pub fn registry(&self) -> Arc<Registry> {
+        self.registry.clone()
+    }
+
+    /// Long calls whose worker was demoted and replaced (fair share).
+    pub fn demoted_calls(&self) -> u64 {
+        self.pipeline.pool.demoted()
     }
 
     /// Outcome counters.
@@ -437,6 +419,9 @@ impl Node {
             }
         }
         let reports = self.slots.drain_all().await;
+        for f in self.followers.drain(..) {
+            let _ = f.await;
+        }
         if let Some(a) = self.admin.take() {
             let _ = a.await;
         }

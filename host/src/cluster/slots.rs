@@ -55,6 +55,7 @@ impl SlotSet {
         }
         let mut settings = template.clone();
         settings.slot = key.1;
+        settings.counters = self.pipeline.stats.slot(&settings.topology, key.1);
         let (stop, stop_rx) = watch::channel(false);
         let cancel: CancelCell = Arc::new(Mutex::new(Arc::new(AtomicBool::new(false))));
         let task = tokio::spawn(crate::node::supervise_slot(
