@@ -1,0 +1,492 @@
+//! Deploys through the admin API and the CLI: versions by digest, bad
+//! uploads refused with the running version still serving, rollbacks down
+//! the chain, versions kept across a restart, the watched components
+//! directory, tenant grants, and the auth matrix of every route.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::http::{call, current, digest, free_port, variant, wait_up};
+use weir::config::{self, Config};
+use weir::envelope;
+use weir::node::{Node, NodeOptions, bundled};
+use weir::transport::memory::MemoryBroker;
+
+const OPERATOR: &str = "operator-secret-0123456789";
+const ACME: &str = "acme-secret-0123456789";
+const GLOBEX: &str = "globex-secret-0123456789";
+const TOPOLOGY: &str = "deploys";
+
+fn faulty() -> Vec<u8> {
+    std::fs::read(bundled::FAULTY_PATH).unwrap()
+}
+
+/// Three handlers of the faulty guest: `shop` for tenant acme, `ledger` for
+/// tenant globex, `ops` for any tenant.
+fn config(port: u16, data_dir: Option<&Path>, components_dir: Option<&Path>, tokens: bool) -> Config {
+    let text = format!(
+        r#"
+[node]
+name = "deploy-test"
+admin = "127.0.0.1:{port}"
+max_component_size = "2MiB"
+{tokens}
+{data}
+{watch}
+[[topology]]
+name = "{TOPOLOGY}"
+slots = 2
+[topology.retry]
+ladder = ["100ms"]
+max_deliver = 2
+[[tenant]]
+name = "acme"
+{acme_token}
+allow = {{ env = ["WEIR_TEST_ACME_ENV"], dirs = ["/tmp"] }}
+[[tenant]]
+name = "globex"
+{globex_token}
+[[handler]]
+name = "shop"
+component = "{faulty}"
+topology = "{TOPOLOGY}"
+tenant = "acme"
+message_types = ["ok", "env"]
+[[handler]]
+name = "ledger"
+component = "{faulty}"
+topology = "{TOPOLOGY}"
+tenant = "globex"
+message_types = ["ok"]
+[[handler]]
+name = "ops"
+component = "{faulty}"
+topology = "{TOPOLOGY}"
+message_types = ["ok"]
+"#,
+        tokens = if tokens {
+            format!("admin_token = \"{OPERATOR}\"")
+        } else {
+            String::new()
+        },
+        acme_token = if tokens {
+            format!("token = \"{ACME}\"")
+        } else {
+            String::new()
+        },
+        globex_token = if tokens {
+            format!("token = \"{GLOBEX}\"")
+        } else {
+            String::new()
+        },
+        data = data_dir
+            .map(|d| format!("data_dir = {:?}", d.display().to_string()))
+            .unwrap_or_default(),
+        watch = components_dir
+            .map(|d| format!("components_dir = {:?}", d.display().to_string()))
+            .unwrap_or_default(),
+        faulty = bundled::FAULTY_PATH,
+    );
+    config::parse(&text, "<deploy test>").unwrap()
+}
+
+async fn start(cfg: &Config, mem: &Arc<MemoryBroker>) -> Node {
+    let opts = NodeOptions {
+        workers: 2,
+        runtime: common::cached(weir::runtime::RuntimeOptions::default()),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(cfg, mem.clone(), opts).await.unwrap();
+    wait_up(cfg.node.admin.unwrap().port());
+    node
+}
+
+/// The admin client is blocking: run it off the test's async threads.
+async fn http(
+    method: &'static str,
+    port: u16,
+    path: &str,
+    token: Option<&'static str>,
+    body: Vec<u8>,
+) -> (u16, serde_json::Value) {
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || call(method, port, &path, token, &body))
+        .await
+        .unwrap()
+}
+
+async fn digest_of(port: u16, name: &str) -> String {
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || current(port, Some(OPERATOR), &name))
+        .await
+        .unwrap()
+}
+
+/// Publish one `ok` message for `tenant` and wait until it is handled.
+async fn handled_once_more(node: &Node, tenant: &str) {
+    let stats = node.stats();
+    let before = stats.snapshot().handled;
+    let msg = envelope::new_message(
+        envelope::fresh_id(),
+        "ok",
+        Some("g".into()),
+        Some(tenant.into()),
+        vec![],
+        vec![],
+    );
+    node.publish(TOPOLOGY, &msg).await.unwrap();
+    let start = Instant::now();
+    while stats.snapshot().handled <= before {
+        assert!(start.elapsed() < Duration::from_secs(20), "message not handled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_uploads_are_refused_with_the_reason_and_the_running_version_keeps_serving() {
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = start(&config(port, None, None, true), &mem).await;
+    let v1 = digest(&faulty());
+    assert_eq!(digest_of(port, "shop").await, v1);
+
+    // An empty component: valid, but it implements nothing.
+    let empty_component = b"\0asm\x0d\0\x01\0".to_vec();
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "garbage bytes",
+            b"this is not wasm at all".to_vec(),
+            400,
+            "not a valid WebAssembly component",
+        ),
+        (
+            "a core module",
+            b"\0asm\x01\0\0\0".to_vec(),
+            400,
+            "not a valid WebAssembly component",
+        ),
+        (
+            "a component of another world",
+            empty_component,
+            400,
+            "does not implement the weir:handler/handler world",
+        ),
+        ("too large", vec![0u8; 3 << 20], 413, "max_component_size"),
+        ("empty body", Vec::new(), 400, "not a valid WebAssembly component"),
+    ];
+    for (what, bytes, status, reason) in cases {
+        let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(OPERATOR), bytes).await;
+        assert_eq!(code, status, "{what}: {body}");
+        let error = body["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains(reason),
+            "{what}: the reason should say {reason:?}, got {error:?}"
+        );
+        assert_eq!(digest_of(port, "shop").await, v1, "{what}: the running version changed");
+        handled_once_more(&node, "acme").await;
+    }
+    // And a good one goes through.
+    let v2 = variant(&faulty(), "2");
+    let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(OPERATOR), v2.clone()).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["digest"], digest(&v2));
+    assert_eq!(body["previous"], v1);
+    assert_eq!(body["swapped"], true);
+    // The same bytes again change nothing.
+    let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(OPERATOR), v2.clone()).await;
+    assert_eq!((code, &body["swapped"]), (200, &serde_json::json!(false)), "{body}");
+    handled_once_more(&node, "acme").await;
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_matrix_of_every_route_and_token_kind() {
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = start(&config(port, None, None, true), &mem).await;
+    let current_shop = faulty();
+    // (method, path, body, [none, wrong, operator, acme, globex])
+    let rows: Vec<(&str, &str, Vec<u8>, [u16; 5])> = vec![
+        ("GET", "/health", vec![], [200, 200, 200, 200, 200]),
+        ("GET", "/ready", vec![], [200, 200, 200, 200, 200]),
+        ("GET", "/metrics", vec![], [401, 401, 200, 403, 403]),
+        ("GET", "/v1/slots", vec![], [401, 401, 200, 403, 403]),
+        ("GET", "/v1/handlers", vec![], [401, 401, 200, 200, 200]),
+        ("GET", "/v1/handlers/shop", vec![], [401, 401, 200, 200, 403]),
+        ("GET", "/v1/handlers/ops", vec![], [401, 401, 200, 403, 403]),
+        ("GET", "/v1/handlers/nope", vec![], [401, 401, 404, 404, 404]),
+        (
+            "PUT",
+            "/v1/handlers/shop",
+            current_shop.clone(),
+            [401, 401, 200, 200, 403],
+        ),
+        (
+            "PUT",
+            "/v1/handlers/ops",
+            current_shop.clone(),
+            [401, 401, 200, 403, 403],
+        ),
+        (
+            "PUT",
+            "/v1/handlers/nope",
+            current_shop.clone(),
+            [401, 401, 404, 404, 404],
+        ),
+        ("POST", "/v1/handlers/shop/rollback", vec![], [401, 401, 409, 409, 403]),
+        ("POST", "/v1/handlers/ops/rollback", vec![], [401, 401, 409, 403, 403]),
+    ];
+    let tokens: [Option<&'static str>; 5] = [
+        None,
+        Some("wrong-token-0123456789"),
+        Some(OPERATOR),
+        Some(ACME),
+        Some(GLOBEX),
+    ];
+    let mut failures = Vec::new();
+    for (method, path, body, expected) in rows {
+        for (token, want) in tokens.iter().zip(expected) {
+            let (got, answer) = http(method, port, path, *token, body.clone()).await;
+            if got != want {
+                failures.push(format!("{method} {path} as {token:?}: {got} (want {want}): {answer}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "auth matrix:\n{}", failures.join("\n"));
+
+    // A tenant sees only its own handlers in the list.
+    let names = |body: &serde_json::Value| -> Vec<String> {
+        body["handlers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let (_, all) = http("GET", port, "/v1/handlers", Some(OPERATOR), vec![]).await;
+    assert_eq!(names(&all), ["ledger", "ops", "shop"]);
+    let (_, acme) = http("GET", port, "/v1/handlers", Some(ACME), vec![]).await;
+    assert_eq!(names(&acme), ["shop"]);
+    let (_, globex) = http("GET", port, "/v1/handlers", Some(GLOBEX), vec![]).await;
+    assert_eq!(names(&globex), ["ledger"]);
+    node.shutdown().await.unwrap();
+
+    // No token configured at all: reads are open, deploys are refused.
+    let port = free_port();
+    let node = start(&config(port, None, None, false), &mem).await;
+    assert_eq!(http("GET", port, "/metrics", None, vec![]).await.0, 200);
+    assert_eq!(http("GET", port, "/v1/handlers", None, vec![]).await.0, 200);
+    let (code, body) = http("PUT", port, "/v1/handlers/shop", None, faulty()).await;
+    assert_eq!(code, 401, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("node.admin_token"), "{body}");
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollbacks_walk_back_the_chain_and_versions_survive_a_restart() {
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let cfg = config(port, Some(data.path()), None, true);
+    let node = start(&cfg, &mem).await;
+    let (v1, v2, v3) = (faulty(), variant(&faulty(), "2"), variant(&faulty(), "3"));
+    for v in [&v2, &v3] {
+        let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(ACME), v.clone()).await;
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(body["kept_in"], "data-dir");
+    }
+    assert_eq!(digest_of(port, "shop").await, digest(&v3));
+    let (_, info) = http("GET", port, "/v1/handlers/shop", Some(ACME), vec![]).await;
+    let history: Vec<&str> = info["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["digest"].as_str().unwrap())
+        .collect();
+    assert_eq!(history, [digest(&v2), digest(&v1)], "history newest first");
+
+    for want in [&v2, &v1] {
+        let (code, body) = http("POST", port, "/v1/handlers/shop/rollback", Some(ACME), vec![]).await;
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(body["digest"], digest(want));
+        assert_eq!(digest_of(port, "shop").await, digest(want));
+        handled_once_more(&node, "acme").await;
+    }
+    let (code, body) = http("POST", port, "/v1/handlers/shop/rollback", Some(ACME), vec![]).await;
+    assert_eq!(code, 409, "nothing before the first version: {body}");
+
+    // A deploy after rollbacks starts a new branch; it survives a restart.
+    let (code, _) = http("PUT", port, "/v1/handlers/shop", Some(ACME), v3.clone()).await;
+    assert_eq!(code, 200);
+    node.shutdown().await.unwrap();
+    let node = start(&cfg, &mem).await;
+    assert_eq!(
+        digest_of(port, "shop").await,
+        digest(&v3),
+        "the deployed version is served after a restart"
+    );
+    handled_once_more(&node, "acme").await;
+    // ...and so does its history: a rollback goes back to v1.
+    let (code, body) = http("POST", port, "/v1/handlers/shop/rollback", Some(ACME), vec![]).await;
+    assert_eq!(
+        (code, body["digest"].as_str().unwrap()),
+        (200, digest(&v1).as_str()),
+        "{body}"
+    );
+    node.shutdown().await.unwrap();
+    let node = start(&cfg, &mem).await;
+    assert_eq!(
+        digest_of(port, "shop").await,
+        digest(&v1),
+        "the rollback survives a restart too"
+    );
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_components_directory_deploys_good_files_and_refuses_bad_ones() {
+    let watched = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = start(&config(port, None, Some(watched.path()), true), &mem).await;
+    let v2 = variant(&faulty(), "2");
+    // Written under another name, then renamed in: never seen half-written.
+    let tmp = watched.path().join("shop.partial");
+    std::fs::write(&tmp, &v2).unwrap();
+    std::fs::rename(&tmp, watched.path().join("shop.wasm")).unwrap();
+    let start_t = Instant::now();
+    while digest_of(port, "shop").await != digest(&v2) {
+        assert!(
+            start_t.elapsed() < Duration::from_secs(20),
+            "the watched file was never deployed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, info) = http("GET", port, "/v1/handlers/shop", Some(OPERATOR), vec![]).await;
+    assert_eq!(info["current"]["source"], "watch");
+    // A bad file is refused; the running version stays.
+    std::fs::write(watched.path().join("shop.wasm"), b"garbage").unwrap();
+    std::fs::write(watched.path().join("nobody.wasm"), &v2).unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(digest_of(port, "shop").await, digest(&v2));
+    handled_once_more(&node, "acme").await;
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_are_checked_against_the_tenant_at_deploy_time() {
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = start(&config(port, None, None, true), &mem).await;
+    let v2 = variant(&faulty(), "2");
+    let v1 = digest(&faulty());
+    for (query, reason) in [
+        ("env=HOME", "\"HOME\" is not allowed for tenant \"acme\""),
+        ("dir=/data:/etc", "is not within a directory tenant \"acme\" may grant"),
+        ("dir=/data:/tmp/../etc", "is not within"),
+        ("bogus=1", "unknown query parameter"),
+        ("dir=nocolon", "accepted: GUEST:HOST"),
+    ] {
+        let (code, body) = http(
+            "PUT",
+            port,
+            &format!("/v1/handlers/shop?{query}"),
+            Some(ACME),
+            v2.clone(),
+        )
+        .await;
+        assert!(code == 403 || code == 400, "{query}: {code} {body}");
+        assert!(body["error"].as_str().unwrap().contains(reason), "{query}: {body}");
+        assert_eq!(digest_of(port, "shop").await, v1);
+    }
+    let (code, body) = http(
+        "PUT",
+        port,
+        "/v1/handlers/shop?env=WEIR_TEST_ACME_ENV&dir=/data:/tmp",
+        Some(ACME),
+        v2.clone(),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    let (_, info) = http("GET", port, "/v1/handlers/shop", Some(ACME), vec![]).await;
+    assert_eq!(
+        info["current"]["grants"]["env"],
+        serde_json::json!(["WEIR_TEST_ACME_ENV"])
+    );
+    assert_eq!(info["current"]["grants"]["dirs"][0]["guest"], "/data");
+    // The operator's handler (no tenant) may be granted anything.
+    let (code, body) = http("PUT", port, "/v1/handlers/ops?env=HOME", Some(OPERATOR), v2).await;
+    assert_eq!(code, 200, "{body}");
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_deploys_and_rolls_back_and_says_why_when_refused() {
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = start(&config(port, None, None, true), &mem).await;
+    let dir = tempfile::tempdir().unwrap();
+    let v2 = variant(&faulty(), "2");
+    let good = dir.path().join("v2.wasm");
+    std::fs::write(&good, &v2).unwrap();
+    let bad = dir.path().join("bad.wasm");
+    std::fs::write(&bad, b"nope").unwrap();
+    let admin = format!("http://127.0.0.1:{port}");
+    let weir = |args: Vec<String>| async move {
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args(&args)
+                .env_remove("WEIR_TOKEN")
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap()
+    };
+    let args = |token: &str, rest: &[&str]| -> Vec<String> {
+        ["--admin", admin.as_str(), "--token", token, "--handler", "shop"]
+            .iter()
+            .chain(rest)
+            .map(|s| s.to_string())
+            .collect()
+    };
+
+    let mut a = vec!["deploy".to_owned()];
+    a.extend(args(ACME, &[good.to_str().unwrap()]));
+    let out = weir(a).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("deployed: `shop` now runs"), "{stdout}");
+    assert_eq!(digest_of(port, "shop").await, digest(&v2));
+
+    let mut a = vec!["deploy".to_owned()];
+    a.extend(args(ACME, &[bad.to_str().unwrap()]));
+    let out = weir(a).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("400")
+            && stderr.contains("not a valid WebAssembly component")
+            && stderr.contains("running version stays"),
+        "{stderr}"
+    );
+
+    let mut a = vec!["deploy".to_owned()];
+    a.extend(args(GLOBEX, &[good.to_str().unwrap()]));
+    let out = weir(a).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("403"), "{stderr}");
+
+    let mut a = vec!["rollback".to_owned()];
+    a.extend(args(OPERATOR, &[]));
+    let out = weir(a).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("rolled back: `shop`"), "{stdout}");
+    assert_eq!(digest_of(port, "shop").await, digest(&faulty()));
+    node.shutdown().await.unwrap();
+}
