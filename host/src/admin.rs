@@ -589,6 +589,28 @@ impl Collector for Scrape {
                 }
             }
         }
+        for (name, help, pick) in [
+            (
+                "lane_depth",
+                "Deliveries taken from the broker and waiting in a slot's lanes.",
+                0usize,
+            ),
+            (
+                "lanes_running",
+                "Lanes (groups) of a slot with a call running or queued for a worker.",
+                1,
+            ),
+        ] {
+            let probe = ConstGauge::new(0i64);
+            let mut m = encoder.encode_descriptor(name, help, None, probe.metric_type())?;
+            for ((topology, slot), counters) in self.stats.slots() {
+                let slot = slot.to_string();
+                let (queued, running) = counters.depth();
+                let v = if pick == 0 { queued } else { running };
+                let labels = [("topology", &*topology), ("slot", slot.as_str())];
+                ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
+            }
+        }
         {
             let probe = ConstGauge::new(0i64);
             let mut m = encoder.encode_descriptor(
@@ -612,8 +634,6 @@ impl Collector for Scrape {
             for (name, tenant, hm) in &handler_metrics {
                 let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
                 let (sum, count, buckets) = hm.durations();
-                let mut buckets: Vec<(f64, u64)> = buckets;
-                buckets.push((f64::MAX, count));
                 let mut family = m.encode_family(&labels)?;
                 family.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
             }

@@ -366,8 +366,11 @@ impl SlotRunner {
                     },
                 }
                 self.schedule();
+                s.counters
+                    .set_depth(self.queued + self.unordered.len(), self.running_groups);
             }
         }
+        s.counters.set_depth(0, 0);
         self.drain().await;
         sub.close().await;
         drop(sub);

@@ -12,10 +12,15 @@ use crate::retry::capture::{Outcome, Reason};
 /// (topology, slot).
 pub type SlotKey = (Arc<str>, u32);
 
-/// Settled deliveries by outcome, for one slot or one handler.
+/// Settled deliveries by outcome, for one slot or one handler; for a slot
+/// also its lane depth.
 #[derive(Debug, Default)]
 pub struct OutcomeCounters {
     counts: [AtomicU64; OUTCOMES.len()],
+    /// Deliveries taken from the broker and waiting in the slot's lanes.
+    queued: AtomicU64,
+    /// Lanes (groups) with a call running or handed to a worker.
+    running: AtomicU64,
 }
 
 /// The outcome labels, in counter order.
@@ -45,6 +50,20 @@ impl OutcomeCounters {
     /// Count one settled delivery.
     pub fn record(&self, o: Outcome) {
         self.counts[outcome_index(o)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The slot's lane depth: deliveries waiting, lanes running.
+    pub fn set_depth(&self, queued: usize, running: usize) {
+        self.queued.store(queued as u64, Ordering::Relaxed);
+        self.running.store(running as u64, Ordering::Relaxed);
+    }
+
+    /// (deliveries waiting in lanes, lanes running).
+    pub fn depth(&self) -> (u64, u64) {
+        (
+            self.queued.load(Ordering::Relaxed),
+            self.running.load(Ordering::Relaxed),
+        )
     }
 
     /// (label, count) per outcome.
@@ -96,18 +115,23 @@ impl HandlerMetrics {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// (sum of durations in seconds, calls, cumulative count per bucket bound).
+    /// (sum of durations in seconds, calls, calls per bucket by upper bound; the last bound,
+    /// `f64::MAX`, is +Inf). Counts are per bucket, not cumulative.
     pub fn durations(&self) -> (f64, u64, Vec<(f64, u64)>) {
-        let mut total = 0;
-        let mut cumulative = Vec::with_capacity(CALL_BUCKETS.len());
-        for (i, b) in self.buckets.iter().enumerate() {
-            total += b.load(Ordering::Relaxed);
-            if let Some(bound) = CALL_BUCKETS.get(i) {
-                cumulative.push((*bound, total));
-            }
-        }
+        let per_bucket: Vec<(f64, u64)> = self
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                (
+                    CALL_BUCKETS.get(i).copied().unwrap_or(f64::MAX),
+                    b.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        let total = per_bucket.iter().map(|(_, n)| n).sum();
         let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        (sum, total, cumulative)
+        (sum, total, per_bucket)
     }
 }
 
@@ -312,6 +336,40 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn call_durations_land_in_their_bucket_and_in_flight_returns_to_zero() {
+        let m = HandlerMetrics::default();
+        for d in [
+            Duration::from_micros(3),
+            Duration::from_millis(3),
+            Duration::from_secs(9),
+        ] {
+            m.enter();
+            assert_eq!(m.in_flight(), 1);
+            m.exit(d);
+        }
+        assert_eq!(m.in_flight(), 0);
+        let (sum, count, buckets) = m.durations();
+        assert_eq!(count, 3);
+        assert!((sum - 9.003_003).abs() < 1e-9, "{sum}");
+        let at = |bound: f64| buckets.iter().find(|(b, _)| *b == bound).map(|(_, n)| *n);
+        assert_eq!(at(0.000_01), Some(1), "3 µs: first bucket");
+        assert_eq!(at(0.005), Some(1), "3 ms");
+        assert_eq!(at(f64::MAX), Some(1), "9 s: +Inf");
+        assert_eq!(
+            buckets.iter().map(|(_, n)| n).sum::<u64>(),
+            3,
+            "per bucket, not cumulative"
+        );
+        let slot = OutcomeCounters::default();
+        slot.record(Outcome::DeadLettered(Reason::NoHandler));
+        slot.record(Outcome::Handled);
+        assert_eq!(
+            &slot.snapshot()[..3],
+            &[("handled", 1), ("retry-scheduled", 0), ("dead-lettered", 1)]
+        );
+    }
 
     #[test]
     fn batch_sizes_land_in_their_bucket_and_flushes_by_reason() {

@@ -68,6 +68,14 @@ fn health_ready_metrics_and_slots() {
         "weir_slots_owned 3",
         "weir_batches_total{reason=\"linger\"} 0",
         "weir_batch_replays_total 0",
+        "weir_handler_messages_total{handler=\"orders\",tenant=\"\",outcome=\"handled\"} 0",
+        "weir_slot_messages_total{topology=\"orders\",slot=\"2\",outcome=\"handled\"} 0",
+        "weir_lane_depth{topology=\"orders\",slot=\"0\"} 0",
+        "weir_handler_calls_in_flight{handler=\"orders\",tenant=\"\"} 0",
+        "weir_handler_call_duration_seconds_bucket{le=\"+Inf\",handler=\"orders\",tenant=\"\"} 0",
+        "weir_handler_call_duration_seconds_count{handler=\"orders\",tenant=\"\"} 0",
+        "weir_handler_version_info{handler=\"orders\",tenant=\"\",digest=\"",
+        "weir_handler_swaps_total 0",
         "# EOF",
     ] {
         assert!(metrics.contains(needle), "{needle} missing from:\n{metrics}");
