@@ -6,7 +6,7 @@
 //! `Reuse` per call, and directly as the first call on a new worker); the bare
 //! per-message cost of `Executor::call` with a reused instance; and the end-to-end cost
 //! on a node over the memory broker (wall and process CPU per message). The bare figures
-//! are thread CPU time, so a loaded machine inflates them less than wall time. The message is `order.paid` (decode, validate, log; no cascade), so
+//! are CPU time, so a loaded machine inflates them less than wall time. The message is `order.paid` (decode, validate, log; no cascade), so
 //! every message is exactly one call of the handler under test.
 //!
 //! Components: the Rust one is bundled; the Python and JavaScript ones are where
@@ -22,7 +22,7 @@ use serde_json::json;
 
 use weir::config::{self, Config};
 use weir::envelope::{self, Envelope};
-use weir::node::{self, Node, NodeOptions};
+use weir::node;
 use weir::runtime::{CallOutcome, Executor, HandlerSettings, HandlerVersion, InstanceMode, Runtime, RuntimeOptions};
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
@@ -52,7 +52,7 @@ fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
     let mut o = Opts {
         messages: 20_000,
         fresh_messages: 300,
-        e2e_messages: 20_000,
+        e2e_messages: 50_000,
         runs: 3,
         groups: 64,
         workers: 0,
@@ -141,33 +141,23 @@ fn load(rt: &Runtime, g: &Guest, mode: InstanceMode) -> anyhow::Result<Arc<Handl
     rt.load(&g.bytes, settings, &g.component.display().to_string())
 }
 
-/// CPU time of the calling thread, nanoseconds: unlike wall time, not inflated
-/// by other processes on a loaded machine.
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return 0;
-    }
-    u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
-}
-
-/// Mean thread CPU time of one `handle` call over `n` calls on one executor, seconds.
+/// Mean CPU time of one `handle` call over `n` calls on one executor, seconds: process
+/// CPU time, unlike wall time not inflated by other processes on a loaded machine. Only
+/// this thread and the epoch tickers (one 5 ms tick each) run meanwhile.
 fn per_call(exec: &mut Executor, v: &Arc<HandlerVersion>, msg: &Envelope, n: u64) -> anyhow::Result<f64> {
-    let t = thread_cpu_ns();
+    let t = super::process_cpu_ns();
     for _ in 0..n {
         match exec.call(v, msg, &None) {
             CallOutcome::Done { result: Ok(()), .. } => {}
             other => bail!("{}: unexpected outcome {other:?}", v.name()),
         }
     }
-    Ok(thread_cpu_ns().saturating_sub(t) as f64 / 1e9 / n as f64)
+    Ok(super::process_cpu_ns().saturating_sub(t) as f64 / 1e9 / n as f64)
 }
 
 /// End to end: `n` `order.paid` pre-published over `groups` groups on a memory broker;
-/// wall time and process CPU time from the node being up (handler loaded from the
-/// cache) until all are handled.
+/// wall time and process CPU time from `Node::start` (the handler loaded from the code
+/// cache, milliseconds) until all are handled.
 fn e2e_once(o: &Opts, g: &Guest, cache: &Path) -> anyhow::Result<(Duration, Duration)> {
     let tokio_rt = node::async_runtime()?;
     let handler = config::Handler::new("orders", &g.component, TOPOLOGY, vec!["order.paid".into()]);
@@ -202,34 +192,17 @@ fn e2e_once(o: &Opts, g: &Guest, cache: &Path) -> anyhow::Result<(Duration, Dura
         }
         Ok::<_, anyhow::Error>(())
     })?;
-    let opts = NodeOptions {
-        workers: o.workers,
-        runtime: RuntimeOptions {
-            cache_dir: Some(cache.to_owned()),
-            ..RuntimeOptions::default()
-        },
-        ..NodeOptions::default()
-    };
-    let node = tokio_rt.block_on(Node::start(&cfg, transport, opts))?;
-    let t = Instant::now();
     let cpu = super::process_cpu_ns();
-    let stats = node.stats();
-    loop {
-        let s = stats.snapshot();
-        if s.handled >= n {
-            break;
-        }
-        if s.finished() + s.retry_scheduled + s.faults > s.handled {
-            bail!("e2e {}: something other than `handled` happened: {s:?}", g.lang);
-        }
-        if t.elapsed() > Duration::from_secs(600) {
-            bail!("e2e {}: only {} of {n} handled after 600 s", g.lang, s.handled);
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    let wall = t.elapsed();
+    let label = format!("e2e {}", g.lang);
+    let wall = tokio_rt.block_on(super::drain_with_weir(
+        &label,
+        &cfg,
+        transport,
+        o.workers,
+        Some(cache.to_owned()),
+        n,
+    ))?;
     let cpu = Duration::from_nanos(super::process_cpu_ns().saturating_sub(cpu));
-    tokio_rt.block_on(node.shutdown())?;
     if broker.total_depth(TOPOLOGY) != 0 {
         bail!("e2e {}: messages left on the broker", g.lang);
     }
