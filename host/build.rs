@@ -247,7 +247,8 @@ fn run(cmd: &mut Command, what: &str, by_hand: &str) -> Result<(), String> {
 }
 
 /// componentize-py into `target/guests/python-venv` (again only when
-/// `requirements.txt` changed), then `app.py` into a component.
+/// `requirements.txt` changed), then `app.py` into a component. A venv that
+/// already satisfies the pin (installed by hand, offline) is taken as it is.
 fn build_python(root: &Path, target_dir: &Path, output: &Path) -> Result<(), String> {
     let app = root.join("examples/python/orders");
     let requirements = app.join("requirements.txt");
@@ -260,22 +261,33 @@ fn build_python(root: &Path, target_dir: &Path, output: &Path) -> Result<(), Str
         venv = venv.display(),
         req = requirements.display()
     );
-    if std::fs::read_to_string(&installed).ok() != Some(pins.clone()) {
+    let pip = |venv: &Path| {
+        let mut cmd = Command::new(venv.join("bin/python"));
+        cmd.args(["-m", "pip", "install", "--disable-pip-version-check", "--quiet"]);
+        cmd
+    };
+    let satisfied = || {
+        pip(&venv)
+            .args(["--no-index", "-r"])
+            .arg(&requirements)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if std::fs::read_to_string(&installed).ok() != Some(pins.clone()) && !satisfied() {
         eprintln!("installing componentize-py from PyPI into {}", venv.display());
         run(
-            Command::new(&python).args(["-m", "venv", "--clear"]).arg(&venv),
+            Command::new(&python).args(["-m", "venv"]).arg(&venv),
             &format!("creating a Python venv with `{python} -m venv` (needs Python 3.10 or newer)"),
             &by_hand,
         )?;
         run(
-            Command::new(venv.join("bin/python"))
-                .args(["-m", "pip", "install", "--disable-pip-version-check", "--quiet", "-r"])
-                .arg(&requirements),
+            pip(&venv).arg("-r").arg(&requirements),
             "installing componentize-py from PyPI (no network?)",
             &by_hand,
         )?;
-        std::fs::write(&installed, &pins).map_err(|e| format!("writing {}: {e}", installed.display()))?;
     }
+    std::fs::write(&installed, &pins).map_err(|e| format!("writing {}: {e}", installed.display()))?;
     let mut cmd = Command::new(venv.join("bin/componentize-py"));
     cmd.arg("--wit-path")
         .arg(root.join("wit"))
@@ -305,8 +317,13 @@ fn build_js(root: &Path, target_dir: &Path, output: &Path) -> Result<(), String>
     let lockfile = src.join("package-lock.json");
     let pins = digest_of(&[src.join("package.json"), lockfile.clone()]);
     let installed = work.join("weir-lock.digest");
-    let by_hand = format!("cd {} && npm ci", src.display());
-    if std::fs::read_to_string(&installed).ok() != Some(pins.clone()) {
+    let by_hand = format!("cd {} && npm ci", work.display());
+    // `npm ci` run there by hand (offline, say) leaves the lockfile beside npm's own record.
+    let by_hand_done = || {
+        digest_of(&[work.join("package.json"), work.join("package-lock.json")]) == pins
+            && work.join("node_modules/.package-lock.json").exists()
+    };
+    if std::fs::read_to_string(&installed).ok() != Some(pins.clone()) && !by_hand_done() {
         eprintln!(
             "installing ComponentizeJS from the npm registry into {}",
             work.display()
@@ -322,8 +339,8 @@ fn build_js(root: &Path, target_dir: &Path, output: &Path) -> Result<(), String>
             "installing ComponentizeJS with `npm ci` (needs Node.js 18+ and npm; no network?)",
             &by_hand,
         )?;
-        std::fs::write(&installed, &pins).map_err(|e| format!("writing {}: {e}", installed.display()))?;
     }
+    std::fs::write(&installed, &pins).map_err(|e| format!("writing {}: {e}", installed.display()))?;
     let cli = work.join("node_modules/@bytecodealliance/componentize-js/src/cli.js");
     let mut cmd = Command::new("node");
     cmd.arg(&cli)
