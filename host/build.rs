@@ -294,9 +294,7 @@ fn build_python(root: &Path, target_dir: &Path, output: &Path) -> Result<(), Str
         .args(["--world", "handler", "--quiet", "componentize", "--python-path"])
         .arg(&app)
         .args(["app", "--output"])
-        .arg(output)
-        // Keep __pycache__ out of the source tree.
-        .env("PYTHONDONTWRITEBYTECODE", "1");
+        .arg(output);
     run(
         &mut cmd,
         "componentize-py (building examples/python/orders)",
