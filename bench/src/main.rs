@@ -27,6 +27,8 @@
 //!   rows `nats-bare` and `nats-weir` and their ratio. Not part of `all`.
 //!
 //! Groups: `bare` (the five bare scenarios), `e2e` (both e2e), `all`.
+//! `weir-bench polyglot` compares the orders handler in Rust, Python and
+//! JavaScript instead (see `polyglot.rs`).
 //! Output: a table on stdout, JSON in `target/bench/results.json`, one
 //! progress line per run on stderr.
 
@@ -45,6 +47,7 @@ use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 
 mod natsb;
+mod polyglot;
 mod rabbit;
 
 /// What one broker drain measured.
@@ -775,6 +778,10 @@ fn machine() -> Value {
 }
 
 fn main() -> anyhow::Result<()> {
+    // `weir-bench polyglot ...`: the orders handler per language (bench/src/polyglot.rs).
+    if std::env::args().nth(1).as_deref() == Some("polyglot") {
+        return polyglot::main(std::env::args().skip(2));
+    }
     let o = parse_args()?;
     let started = Instant::now();
     let machine = machine();

@@ -41,7 +41,8 @@ pub const DEMOTE_AFTER: Duration = Duration::from_millis(20);
 pub struct RuntimeOptions {
     /// Largest linear memory any instance may have (the pool's slot size).
     pub max_memory: usize,
-    /// Instances the pooling allocator keeps room for.
+    /// Instances the pooling allocator keeps room for, each as large as a
+    /// Python or JavaScript component (see `Runtime::new`).
     pub pool_instances: u32,
     /// Guest stack limit; deeper recursion traps with a stack overflow.
     pub max_wasm_stack: usize,
@@ -300,11 +301,28 @@ impl Drop for Runtime {
 impl Runtime {
     /// Build the engine (pooling allocator, epoch interruption) and linker.
     pub fn new(options: RuntimeOptions) -> anyhow::Result<Arc<Self>> {
+        // Sized so that `pool_instances` instances of a large guest fit, not only
+        // Rust ones. Measured on the orders handler, (core instances, instance
+        // metadata, table elements): Rust 3, 8 KiB, 110; JavaScript
+        // (ComponentizeJS) 4, 204 KiB, 7,691; Python (componentize-py) 14,
+        // 390 KiB, 5,674, and each native extension module a Python guest
+        // links adds a core instance, metadata and table elements. Each has
+        // one memory and two tables. The core-instance counts and the two size
+        // limits are checks, not reservations; table elements reserve address
+        // space, 8 bytes each per table in the pool.
+        const CORE_INSTANCES_PER_COMPONENT: u32 = 128;
+        const TABLE_ELEMENTS: usize = 64 << 10;
+        const CORE_INSTANCE_SIZE: usize = 4 << 20;
+        const COMPONENT_INSTANCE_SIZE: usize = 16 << 20;
         let mut pool = PoolingAllocationConfig::default();
         pool.total_component_instances(options.pool_instances)
-            .total_core_instances(options.pool_instances * 8)
+            .total_core_instances(options.pool_instances.saturating_mul(CORE_INSTANCES_PER_COMPONENT))
+            .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
             .total_memories(options.pool_instances * 2)
             .total_tables(options.pool_instances * 4)
+            .table_elements(TABLE_ELEMENTS)
+            .max_core_instance_size(CORE_INSTANCE_SIZE)
+            .max_component_instance_size(COMPONENT_INSTANCE_SIZE)
             .max_memory_size(options.max_memory);
         let mut cfg = wasmtime::Config::new();
         cfg.wasm_component_model(true)
