@@ -94,13 +94,16 @@ impl Shared {
                 return;
             }
             DEMOTED.set(true);
-            demote_current_thread();
+            // The replacement first: a thread inherits its creator's
+            // scheduling class, so one spawned after the demotion would
+            // run at idle priority too (and so would every worker after it).
             if let Some(shared) = me.upgrade() {
                 shared.demoted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if let Err(e) = shared.spawn_worker() {
                     tracing::error!(error = %e, "cannot replace a demoted worker");
                 }
             }
+            demote_current_thread();
         }));
         while let Ok(job) = self.rx.recv() {
             run(&mut exec, job);
