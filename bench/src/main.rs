@@ -563,6 +563,30 @@ fn e2e_once(
     e2e_shaped(tokio_rt, o, &config, o.slots, n, &|i| default_group(o, i))
 }
 
+/// Declare [`TOPOLOGY`] with `slots` slots on `transport` and publish `n`
+/// benchmark messages to it, one after the other, with the group ids
+/// `group_of` gives.
+fn prepublish(
+    tokio_rt: &tokio::runtime::Runtime,
+    transport: &dyn Transport,
+    slots: u32,
+    n: u64,
+    group_of: &dyn Fn(u64) -> Option<String>,
+) -> anyhow::Result<()> {
+    tokio_rt.block_on(async {
+        transport
+            .declare(&TopologySpec::new(TOPOLOGY, slots))
+            .await
+            .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
+        for i in 0..n {
+            node::publish(transport, TOPOLOGY, slots, &message(i, group_of(i)))
+                .await
+                .map_err(|e| anyhow::anyhow!("publish {i}: {e}"))?;
+        }
+        Ok(())
+    })
+}
+
 /// One end-to-end run of `config` (topology [`TOPOLOGY`] with `slots`
 /// slots) on a fresh memory broker: `n` messages pre-published with the
 /// group ids `group_of` gives, then timed from `Node::start` returning until
@@ -581,18 +605,7 @@ fn e2e_shaped(
 
     // Pre-publish every message through the broker (not timed).
     let tp = Instant::now();
-    tokio_rt.block_on(async {
-        transport
-            .declare(&TopologySpec::new(TOPOLOGY, slots))
-            .await
-            .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
-        for i in 0..n {
-            node::publish(transport.as_ref(), TOPOLOGY, slots, &message(i, group_of(i)))
-                .await
-                .map_err(|e| anyhow::anyhow!("publish {i}: {e}"))?;
-        }
-        Ok::<_, anyhow::Error>(())
-    })?;
+    prepublish(tokio_rt, transport.as_ref(), slots, n, group_of)?;
     let publish = tp.elapsed();
 
     let opts = NodeOptions {
@@ -879,67 +892,72 @@ fn ratio(rows: &[Row], num: &str, den: &str) -> Option<f64> {
 /// The ratios of the suite, each against its anchor: (key, label, value, target).
 fn ratios(rows: &[Row]) -> Vec<(&'static str, &'static str, f64, Option<f64>)> {
     let extra = |n: &str, k: &str| rows.iter().find(|r| r.name == n).and_then(|r| r.extra(k));
-    let mut out = Vec::new();
-    let mut push = |key, label, v: Option<f64>, target| {
-        if let Some(v) = v {
-            out.push((key, label, v, target));
-        }
-    };
-    push(
-        "rabbitmq_drain",
-        "RabbitMQ drain: Weir / bare lapin",
-        ratio(rows, "rmq-weir", "rmq-bare"),
-        Some(0.9),
-    );
-    push(
-        "nats_drain",
-        "NATS drain: Weir / bare pull",
-        ratio(rows, "nats-weir", "nats-bare"),
-        Some(0.9),
-    );
-    push(
-        "skew_zipf",
-        "Zipf skew: msg/s / ideal",
-        extra("skew-zipf", "ratio_to_ideal"),
-        Some(0.8),
-    );
-    push(
-        "skew_hot",
-        "Zipf + hot group / ideal",
-        extra("skew-hot", "ratio_to_ideal"),
-        Some(0.8),
-    );
-    push(
-        "memory_e2e",
-        "memory e2e / bare call loop",
-        ratio(rows, "e2e-reuse", "bare-reuse"),
-        None,
-    );
-    push(
-        "fresh_vs_reuse",
-        "e2e fresh / e2e reuse",
-        ratio(rows, "e2e-fresh", "e2e-reuse"),
-        None,
-    );
-    push(
-        "batch_1",
-        "e2e handle-batch 1 / handle",
-        ratio(rows, "e2e-batch-1", "e2e-reuse"),
-        None,
-    );
-    push(
-        "batch_10",
-        "e2e handle-batch 10 / handle",
-        ratio(rows, "e2e-batch-10", "e2e-reuse"),
-        None,
-    );
-    push(
-        "batch_100",
-        "e2e handle-batch 100 / handle",
-        ratio(rows, "e2e-batch-100", "e2e-reuse"),
-        None,
-    );
-    out
+    // (key, label, value, target); rows this run did not produce are left out.
+    let all = [
+        (
+            "rabbitmq_drain",
+            "RabbitMQ drain: Weir / bare lapin",
+            ratio(rows, "rmq-weir", "rmq-bare"),
+            Some(0.9),
+        ),
+        (
+            "nats_drain",
+            "NATS drain: Weir / bare pull",
+            ratio(rows, "nats-weir", "nats-bare"),
+            Some(0.9),
+        ),
+        (
+            "skew_zipf",
+            "Zipf skew: msg/s / ideal",
+            extra("skew-zipf", "ratio_to_ideal"),
+            Some(0.8),
+        ),
+        (
+            "skew_hot",
+            "Zipf + hot group / ideal",
+            extra("skew-hot", "ratio_to_ideal"),
+            Some(0.8),
+        ),
+        (
+            "skew_zipf_cpu_bound",
+            "Zipf skew: work / CPU per msg",
+            extra("skew-zipf", "cpu_bound_ratio"),
+            Some(0.8),
+        ),
+        (
+            "memory_e2e",
+            "memory e2e / bare call loop",
+            ratio(rows, "e2e-reuse", "bare-reuse"),
+            None,
+        ),
+        (
+            "fresh_vs_reuse",
+            "e2e fresh / e2e reuse",
+            ratio(rows, "e2e-fresh", "e2e-reuse"),
+            None,
+        ),
+        (
+            "batch_1",
+            "e2e handle-batch 1 / handle",
+            ratio(rows, "e2e-batch-1", "e2e-reuse"),
+            None,
+        ),
+        (
+            "batch_10",
+            "e2e handle-batch 10 / handle",
+            ratio(rows, "e2e-batch-10", "e2e-reuse"),
+            None,
+        ),
+        (
+            "batch_100",
+            "e2e handle-batch 100 / handle",
+            ratio(rows, "e2e-batch-100", "e2e-reuse"),
+            None,
+        ),
+    ];
+    all.into_iter()
+        .filter_map(|(key, label, value, target)| value.map(|v| (key, label, v, target)))
+        .collect()
 }
 
 fn draw_charts(dir: &std::path::Path, rows: &[Row], machine: &Value) -> anyhow::Result<Vec<String>> {
@@ -1118,7 +1136,14 @@ fn main() -> anyhow::Result<()> {
             .filter(|(k, _)| {
                 matches!(
                     *k,
-                    "ratio_to_ideal" | "rss_mib" | "hwm_mib" | "before_start_mib" | "p50_us" | "p99_us" | "p999_us"
+                    "ratio_to_ideal"
+                        | "cpu_bound_ratio"
+                        | "rss_mib"
+                        | "hwm_mib"
+                        | "before_start_mib"
+                        | "p50_us"
+                        | "p99_us"
+                        | "p999_us"
                 )
             })
             .map(|(k, v)| format!("{k}={:.2}", median(v)))

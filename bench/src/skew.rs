@@ -105,7 +105,7 @@ pub fn skew(o: &Opts, name: &'static str, hot_share: f64) -> anyhow::Result<Row>
         "[weir-bench] {name:<10} warm-up: {:.0} msg/s (discarded)",
         (n / 10).max(500) as f64 / w.wall.as_secs_f64()
     );
-    let (mut runs_ns, mut ratios, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut runs_ns, mut ratios, mut cpu, mut cpu_bound) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for r in 0..o.runs {
         let run = crate::e2e_shaped(&tokio_rt, o, &config, o.slots, n, &group)?;
         let timed = n.saturating_sub(run.handled_at_start).max(1) as f64;
@@ -120,7 +120,12 @@ pub fn skew(o: &Opts, name: &'static str, hot_share: f64) -> anyhow::Result<Row>
         );
         runs_ns.push(ns);
         ratios.push(ratio);
-        cpu.push(run.cpu_ns as f64 / timed);
+        let cpu_ns = run.cpu_ns as f64 / timed;
+        cpu.push(cpu_ns);
+        // What the run's CPU per message allows on free cores, against the
+        // ideal: guest work / process CPU per message. Independent of
+        // whatever else the machine runs.
+        cpu_bound.push(o.spin_us as f64 * 1e3 / cpu_ns);
     }
     Ok(Row {
         name,
@@ -128,6 +133,7 @@ pub fn skew(o: &Opts, name: &'static str, hot_share: f64) -> anyhow::Result<Row>
         runs_ns,
         extra: vec![
             ("ratio_to_ideal", ratios),
+            ("cpu_bound_ratio", cpu_bound),
             ("ideal_msgs_per_s", vec![ideal]),
             ("cpu_ns_per_message", cpu),
             ("top_group_share", vec![hot_share.max(zipf.top_share())]),
@@ -187,18 +193,8 @@ pub fn rss_probe(o: &Opts, which: &str) -> anyhow::Result<()> {
             let groups = SKEW_GROUPS;
             let n = groups * 3;
             let config = spin_config(o, SLOTS, 20);
-            tokio_rt.block_on(async {
-                transport
-                    .declare(&TopologySpec::new(TOPOLOGY, SLOTS))
-                    .await
-                    .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
-                for i in 0..n {
-                    let env = crate::message(i, Some(format!("group-{}", i % groups)));
-                    node::publish(transport.as_ref(), TOPOLOGY, SLOTS, &env)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("publish {i}: {e}"))?;
-                }
-                anyhow::Ok(())
+            crate::prepublish(&tokio_rt, transport.as_ref(), SLOTS, n, &|i| {
+                Some(format!("group-{}", i % groups))
             })?;
             let (before, _) = rss_kib();
             let node = tokio_rt.block_on(Node::start(&config, transport, opts))?;
