@@ -228,7 +228,7 @@ fn usage() -> String {
          [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--linger-ms MS] [--amqp URL] \
          [--nats URL] [--out PATH] [--charts DIR|--no-charts]\n\
          scenarios: {}, {}\n\
-         --quick (put it first): 20 000 messages (5 000 fresh, 50 000 bare), 1 run, 1 s of latency: a smoke run of `all` in about 2 minutes",
+         --quick (put it first): 20 000 messages (5 000 fresh, 50 000 bare), 1 run, 1 s of latency: a smoke run of `all` in under a minute",
         ALL.join(", "),
         SUITE.join(", ")
     )
