@@ -19,18 +19,29 @@
 //! * `rabbitmq-drain` — a backlog of N persistent messages on RabbitMQ
 //!   (`--amqp URL`), drained by a bare lapin consumer (no-op, `multiple` ack
 //!   every 128) and then by a Weir node with the noop guest, same prefetch;
-//!   rows `rmq-bare` and `rmq-weir` and their ratio. Not part of `all`.
+//!   rows `rmq-bare` and `rmq-weir` and their ratio.
 //!   `--batch N` makes the Weir node deliver through `handle-batch` of size N.
 //! * `nats-drain` — the same on NATS JetStream (`--nats URL`): a backlog in
 //!   the file-backed stream, drained by a bare async-nats pull consumer per
 //!   slot (batches of 256, one explicit ack per message) and by a Weir node;
-//!   rows `nats-bare` and `nats-weir` and their ratio. Not part of `all`.
+//!   rows `nats-bare` and `nats-weir` and their ratio.
+//! * `skew-zipf`, `skew-hot` — the memory broker, group ids Zipf-distributed
+//!   (s = 1.1 over 10 000 groups; `skew-hot` sends a quarter of the messages
+//!   to one hot group on top), the noop guest burning `--spin-us` (50) of CPU
+//!   per message: throughput against the ideal, cores / work time.
+//! * `rss-idle`, `rss-loaded` — resident memory of a node (in a child
+//!   process): idle, and with 64 slots and 10 000 groups active.
+//! * `latency` — publish-to-handled p50/p90/p99 at half the e2e-reuse peak.
 //!
-//! Groups: `bare` (the five bare scenarios), `e2e` (both e2e), `all`.
+//! Groups: `bare` (the five bare scenarios), `e2e` (the five e2e ones),
+//! `all` (everything, brokers included; `--quick` for a smoke run).
+//! Output: a table on stdout (each ratio against its anchor, with its
+//! target), JSON in `target/bench/results.json` (`--out`), SVG charts in
+//! `docs/bench/` (`--charts DIR`, `--no-charts`), one progress line per run
+//! on stderr. A scenario that fails (a broker down) is reported and the
+//! others still run; the exit status is then 1.
 //! `weir-bench polyglot` compares the orders handler in Rust, Python and
 //! JavaScript instead (see `polyglot.rs`).
-//! Output: a table on stdout, JSON in `target/bench/results.json`, one
-//! progress line per run on stderr.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,9 +57,11 @@ use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerSettings, Instan
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 
+mod charts;
 mod natsb;
 mod polyglot;
 mod rabbit;
+mod skew;
 
 /// What one broker drain measured.
 pub struct Drain {
@@ -92,10 +105,7 @@ async fn drain_with_weir(
 ) -> anyhow::Result<Duration> {
     let opts = NodeOptions {
         workers,
-        runtime: RuntimeOptions {
-            cache_dir: cache,
-            ..RuntimeOptions::default()
-        },
+        runtime: crate::node_runtime(cache),
         ..NodeOptions::default()
     };
     let t0 = Instant::now();
@@ -119,6 +129,25 @@ async fn drain_with_weir(
     Ok(wall)
 }
 
+/// Runtime options of every engine the bench makes: the node's defaults, the
+/// compiled-code cache in `cache`, and, when `WEIR_BENCH_POOL_INSTANCES` is
+/// set, a pooling allocator that small with 64 MiB memories (valgrind cannot
+/// reserve the address space of the default pool).
+fn node_runtime(cache: Option<PathBuf>) -> RuntimeOptions {
+    let mut r = RuntimeOptions {
+        cache_dir: cache,
+        ..RuntimeOptions::default()
+    };
+    if let Some(n) = std::env::var("WEIR_BENCH_POOL_INSTANCES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        r.pool_instances = n;
+        r.max_memory = 64 << 20;
+    }
+    r
+}
+
 /// The same allocator as the `weir` binary, so the figures are the shipped host's.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -137,6 +166,16 @@ const ALL: [&str; 10] = [
     "e2e-batch-10",
     "e2e-batch-100",
 ];
+/// Scenarios beyond the host-cost ones; `all` runs these too.
+const SUITE: [&str; 7] = [
+    "rabbitmq-drain",
+    "nats-drain",
+    "skew-zipf",
+    "skew-hot",
+    "rss-idle",
+    "rss-loaded",
+    "latency",
+];
 
 /// How long a partial batch waits in the batch scenarios (`--linger-ms`, default 5).
 static LINGER: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
@@ -150,6 +189,8 @@ struct Opts {
     scenarios: Vec<&'static str>,
     /// Messages per e2e reuse run.
     messages: u64,
+    /// Messages per broker drain (RabbitMQ, NATS).
+    drain_messages: u64,
     /// Messages per e2e fresh run.
     fresh_messages: u64,
     /// Calls (messages) per bare reuse / batch run.
@@ -171,14 +212,28 @@ struct Opts {
     /// NATS for `nats-drain`.
     nats: String,
     out: PathBuf,
+    /// Where the SVG charts go (`None`: no charts).
+    charts: Option<PathBuf>,
+    /// CPU the guest burns per message in the skew scenarios, µs.
+    spin_us: u64,
+    /// Messages per skew run.
+    skew_messages: u64,
+    /// Length of the latency run at half the peak rate, seconds.
+    latency_seconds: f64,
+    /// `__rss-probe WHICH`: this process is the child of an RSS scenario.
+    rss_probe: Option<String>,
 }
 
 fn usage() -> String {
     format!(
-        "usage: weir-bench [SCENARIO|bare|e2e|all]... [--messages N] [--fresh-messages N] [--bare-messages N] \
-         [--bare-fresh-messages N] [--runs R] [--groups G] [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--linger-ms MS] [--amqp URL] [--nats URL] [--out PATH]\n\
-         scenarios: {}",
-        ALL.join(", ")
+        "usage: weir-bench [SCENARIO|bare|e2e|all]... [--quick] [--messages N] [--drain-messages N] [--fresh-messages N] [--bare-messages N] \
+         [--bare-fresh-messages N] [--skew-messages N] [--spin-us US] [--latency-seconds S] [--runs R] [--groups G] \
+         [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--linger-ms MS] [--amqp URL] \
+         [--nats URL] [--out PATH] [--charts DIR|--no-charts]\n\
+         scenarios: {}, {}\n\
+         --quick (put it first): 20 000 messages (5 000 fresh, 50 000 bare), 1 run, 1 s of latency: a smoke run of `all` in under a minute",
+        ALL.join(", "),
+        SUITE.join(", ")
     )
 }
 
@@ -186,6 +241,7 @@ fn parse_args() -> anyhow::Result<Opts> {
     let mut o = Opts {
         scenarios: Vec::new(),
         messages: 200_000,
+        drain_messages: 100_000,
         fresh_messages: 50_000,
         bare_messages: 200_000,
         bare_fresh_messages: 20_000,
@@ -199,6 +255,11 @@ fn parse_args() -> anyhow::Result<Opts> {
         amqp: std::env::var("WEIR_BENCH_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
         nats: std::env::var("WEIR_BENCH_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
         out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench/results.json")),
+        charts: Some(PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/bench"))),
+        spin_us: 50,
+        skew_messages: 40_000,
+        latency_seconds: 3.0,
+        rss_probe: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -212,6 +273,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         };
         match a.as_str() {
             "--messages" => o.messages = num("--messages")?,
+            "--drain-messages" => o.drain_messages = num("--drain-messages")?.max(1),
             "--fresh-messages" => o.fresh_messages = num("--fresh-messages")?,
             "--bare-messages" => o.bare_messages = num("--bare-messages")?,
             "--bare-fresh-messages" => o.bare_fresh_messages = num("--bare-fresh-messages")?,
@@ -227,18 +289,35 @@ fn parse_args() -> anyhow::Result<Opts> {
                 let _ = LINGER.set(Duration::from_millis(ms));
             }
             "--out" => o.out = PathBuf::from(args.next().with_context(usage)?),
+            "--charts" => o.charts = Some(PathBuf::from(args.next().with_context(usage)?)),
+            "--no-charts" => o.charts = None,
+            "--spin-us" => o.spin_us = num("--spin-us")?.max(1),
+            "--skew-messages" => o.skew_messages = num("--skew-messages")?.max(1),
+            "--latency-seconds" => o.latency_seconds = num("--latency-seconds")?.max(1) as f64,
+            "--quick" => {
+                o.messages = 20_000;
+                o.drain_messages = 20_000;
+                o.fresh_messages = 5_000;
+                o.bare_messages = 50_000;
+                o.bare_fresh_messages = 5_000;
+                o.skew_messages = 10_000;
+                o.latency_seconds = 1.0;
+                o.runs = 1;
+            }
+            "__rss-probe" => o.rss_probe = Some(args.next().with_context(usage)?),
             "--amqp" => o.amqp = args.next().with_context(usage)?,
             "--nats" => o.nats = args.next().with_context(usage)?,
             "-h" | "--help" => {
                 println!("{}", usage());
                 std::process::exit(0);
             }
-            "all" => o.scenarios.extend(ALL),
+            "all" => {
+                o.scenarios.extend(ALL);
+                o.scenarios.extend(SUITE);
+            }
             "bare" => o.scenarios.extend(&ALL[..5]),
             "e2e" => o.scenarios.extend(&ALL[5..]),
-            "rabbitmq-drain" => o.scenarios.push("rabbitmq-drain"),
-            "nats-drain" => o.scenarios.push("nats-drain"),
-            s => match ALL.iter().find(|n| **n == s) {
+            s => match ALL.iter().chain(SUITE.iter()).find(|n| **n == s) {
                 Some(n) => o.scenarios.push(n),
                 None => bail!("unknown argument {s:?}\n{}", usage()),
             },
@@ -247,7 +326,8 @@ fn parse_args() -> anyhow::Result<Opts> {
     if o.scenarios.is_empty() {
         o.scenarios.extend(ALL);
     }
-    o.scenarios.dedup();
+    let mut seen = std::collections::HashSet::new();
+    o.scenarios.retain(|s| seen.insert(*s));
     Ok(o)
 }
 
@@ -468,6 +548,15 @@ struct E2eRun {
     mean_batch: f64,
 }
 
+/// The group id of the `i`-th message in the default shape: `--groups`
+/// groups round robin, every `--ungrouped-every`-th message without one.
+fn default_group(o: &Opts, i: u64) -> Option<String> {
+    match o.ungrouped_every {
+        k if k > 0 && i % k == k - 1 => None,
+        _ => Some(format!("group-{}", i % o.groups)),
+    }
+}
+
 fn e2e_once(
     tokio_rt: &tokio::runtime::Runtime,
     o: &Opts,
@@ -476,40 +565,61 @@ fn e2e_once(
     batch: Option<u32>,
 ) -> anyhow::Result<E2eRun> {
     let config = bench_config(o.slots, o.prefetch, mode, batch);
+    e2e_shaped(tokio_rt, o, &config, o.slots, n, &|i| default_group(o, i))
+}
+
+/// Declare [`TOPOLOGY`] with `slots` slots on `transport` and publish `n`
+/// benchmark messages to it, one after the other, with the group ids
+/// `group_of` gives.
+fn prepublish(
+    tokio_rt: &tokio::runtime::Runtime,
+    transport: &dyn Transport,
+    slots: u32,
+    n: u64,
+    group_of: &dyn Fn(u64) -> Option<String>,
+) -> anyhow::Result<()> {
+    tokio_rt.block_on(async {
+        transport
+            .declare(&TopologySpec::new(TOPOLOGY, slots))
+            .await
+            .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
+        for i in 0..n {
+            node::publish(transport, TOPOLOGY, slots, &message(i, group_of(i)))
+                .await
+                .map_err(|e| anyhow::anyhow!("publish {i}: {e}"))?;
+        }
+        Ok(())
+    })
+}
+
+/// One end-to-end run of `config` (topology [`TOPOLOGY`] with `slots`
+/// slots) on a fresh memory broker: `n` messages pre-published with the
+/// group ids `group_of` gives, then timed from `Node::start` returning until
+/// all are handled.
+fn e2e_shaped(
+    tokio_rt: &tokio::runtime::Runtime,
+    o: &Opts,
+    config: &Config,
+    slots: u32,
+    n: u64,
+    group_of: &dyn Fn(u64) -> Option<String>,
+) -> anyhow::Result<E2eRun> {
     let broker = MemoryBroker::new();
     let transport: Arc<dyn Transport> = Arc::new(broker.clone());
     let cache = o.out.parent().map(|p| p.join("cache"));
 
     // Pre-publish every message through the broker (not timed).
     let tp = Instant::now();
-    tokio_rt.block_on(async {
-        transport
-            .declare(&TopologySpec::new(TOPOLOGY, o.slots))
-            .await
-            .map_err(|e| anyhow::anyhow!("declare: {e}"))?;
-        for i in 0..n {
-            let group = match o.ungrouped_every {
-                k if k > 0 && i % k == k - 1 => None,
-                _ => Some(format!("group-{}", i % o.groups)),
-            };
-            node::publish(transport.as_ref(), TOPOLOGY, o.slots, &message(i, group))
-                .await
-                .map_err(|e| anyhow::anyhow!("publish {i}: {e}"))?;
-        }
-        Ok::<_, anyhow::Error>(())
-    })?;
+    prepublish(tokio_rt, transport.as_ref(), slots, n, group_of)?;
     let publish = tp.elapsed();
 
     let opts = NodeOptions {
         workers: o.workers,
-        runtime: RuntimeOptions {
-            cache_dir: cache,
-            ..RuntimeOptions::default()
-        },
+        runtime: crate::node_runtime(cache),
         ..NodeOptions::default()
     };
     let t0 = Instant::now();
-    let node = tokio_rt.block_on(Node::start(&config, transport, opts))?;
+    let node = tokio_rt.block_on(Node::start(config, transport, opts))?;
     // Runners are spawned at the very end of `start`; time from here.
     let t1 = Instant::now();
     let cpu1 = process_cpu_ns();
@@ -628,7 +738,7 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
         p => p,
     };
     let prefetch16 = u16::try_from(prefetch).context("--prefetch must fit in 16 bits for RabbitMQ")?;
-    let n = o.messages;
+    let n = o.drain_messages;
     let cache = o.out.parent().map(|p| p.join("cache"));
     let (mut bare_ns, mut weir_ns) = (Vec::new(), Vec::new());
     // Warm-up (compiles the guest into the cache), discarded.
@@ -701,7 +811,7 @@ fn nats_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
         0 => config::Transport::default().prefetch,
         p => p,
     };
-    let n = o.messages;
+    let n = o.drain_messages;
     let cache = o.out.parent().map(|p| p.join("cache"));
     let (mut bare_ns, mut weir_ns) = (Vec::new(), Vec::new());
     // Warm-up (compiles the guest into the cache), discarded.
@@ -777,12 +887,224 @@ fn machine() -> Value {
     })
 }
 
+/// A ratio of two medians, `None` when either row is missing.
+fn ratio(rows: &[Row], num: &str, den: &str) -> Option<f64> {
+    let f = |n: &str| rows.iter().find(|r| r.name == n).map(Row::ns);
+    // Rows hold ns/message: throughput ratio num/den = den ns / num ns.
+    Some(f(den)? / f(num)?).filter(|r| r.is_finite())
+}
+
+/// The ratios of the suite, each against its anchor: (key, label, value, target).
+fn ratios(rows: &[Row]) -> Vec<(&'static str, &'static str, f64, Option<f64>)> {
+    let extra = |n: &str, k: &str| rows.iter().find(|r| r.name == n).and_then(|r| r.extra(k));
+    // (key, label, value, target); rows this run did not produce are left out.
+    let all = [
+        (
+            "rabbitmq_drain",
+            "RabbitMQ drain: Weir / bare lapin",
+            ratio(rows, "rmq-weir", "rmq-bare"),
+            Some(0.9),
+        ),
+        (
+            "nats_drain",
+            "NATS drain: Weir / bare pull",
+            ratio(rows, "nats-weir", "nats-bare"),
+            Some(0.9),
+        ),
+        (
+            "skew_zipf",
+            "Zipf skew: msg/s / ideal",
+            extra("skew-zipf", "ratio_to_ideal"),
+            Some(0.8),
+        ),
+        (
+            "skew_hot",
+            "Zipf + hot group / ideal",
+            extra("skew-hot", "ratio_to_ideal"),
+            Some(0.8),
+        ),
+        (
+            "skew_zipf_cpu_bound",
+            "Zipf skew: work / CPU per msg",
+            extra("skew-zipf", "cpu_bound_ratio"),
+            Some(0.8),
+        ),
+        (
+            "memory_e2e",
+            "memory e2e / bare call loop",
+            ratio(rows, "e2e-reuse", "bare-reuse"),
+            None,
+        ),
+        (
+            "fresh_vs_reuse",
+            "e2e fresh / e2e reuse",
+            ratio(rows, "e2e-fresh", "e2e-reuse"),
+            None,
+        ),
+        (
+            "batch_1",
+            "e2e handle-batch 1 / handle",
+            ratio(rows, "e2e-batch-1", "e2e-reuse"),
+            None,
+        ),
+        (
+            "batch_10",
+            "e2e handle-batch 10 / handle",
+            ratio(rows, "e2e-batch-10", "e2e-reuse"),
+            None,
+        ),
+        (
+            "batch_100",
+            "e2e handle-batch 100 / handle",
+            ratio(rows, "e2e-batch-100", "e2e-reuse"),
+            None,
+        ),
+    ];
+    all.into_iter()
+        .filter_map(|(key, label, value, target)| value.map(|v| (key, label, v, target)))
+        .collect()
+}
+
+fn draw_charts(dir: &std::path::Path, rows: &[Row], machine: &Value) -> anyhow::Result<Vec<String>> {
+    use charts::Bar;
+    let mut written = Vec::new();
+    let when = format!(
+        "{} cores, load at start {}",
+        machine["cpus"],
+        machine["loadavg_at_start"].as_str().unwrap_or("?")
+    );
+    let r = ratios(rows);
+    if !r.is_empty() {
+        let bars: Vec<Bar> = r.iter().map(|(_, l, v, t)| Bar::new(*l, *v, *t)).collect();
+        charts::write(
+            dir,
+            "ratios.svg",
+            &charts::bars(
+                "Weir against its anchors (throughput ratio, higher is better)",
+                &format!("weir-bench all, anchors measured in the same run; {when}"),
+                "x",
+                &bars,
+            ),
+        )?;
+        written.push("ratios.svg".to_owned());
+    }
+    if let Some(l) = rows.iter().find(|r| r.name == "latency") {
+        let bars: Vec<Bar> = [
+            ("p50", "p50_us"),
+            ("p90", "p90_us"),
+            ("p99", "p99_us"),
+            ("p99.9", "p999_us"),
+            ("max", "max_us"),
+        ]
+        .iter()
+        .filter_map(|(label, k)| l.extra(k).map(|v| Bar::new(*label, v, None)))
+        .collect();
+        charts::write(
+            dir,
+            "latency.svg",
+            &charts::bars(
+                "Publish-to-handled latency, memory broker, µs",
+                &format!(
+                    "{:.0} msg/s = half the e2e-reuse peak; {when}",
+                    l.extra("rate_msgs_per_s").unwrap_or(f64::NAN)
+                ),
+                " µs",
+                &bars,
+            ),
+        )?;
+        written.push("latency.svg".to_owned());
+    }
+    let mem: Vec<Bar> = [
+        ("idle node (4 slots)", "rss-idle", "rss_mib"),
+        ("64 slots, 10k groups: peak", "rss-loaded", "rss_mib"),
+        ("... before Node::start", "rss-loaded", "before_start_mib"),
+    ]
+    .iter()
+    .filter_map(|(label, row, k)| {
+        rows.iter()
+            .find(|r| r.name == *row)
+            .and_then(|r| r.extra(k))
+            .map(|v| Bar::new(*label, v, None))
+    })
+    .collect();
+    if !mem.is_empty() {
+        charts::write(
+            dir,
+            "memory.svg",
+            &charts::bars("Resident memory of a node, MiB", &when, " MiB", &mem),
+        )?;
+        written.push("memory.svg".to_owned());
+    }
+    let tput: Vec<Bar> = rows
+        .iter()
+        .filter(|r| !r.runs_ns.is_empty() && r.name != "latency")
+        .map(|r| Bar::new(r.name, 1e9 / r.ns() / 1e3, None))
+        .collect();
+    if !tput.is_empty() {
+        charts::write(
+            dir,
+            "throughput.svg",
+            &charts::bars("Throughput per scenario, thousand messages/s", &when, "k", &tput),
+        )?;
+        written.push("throughput.svg".to_owned());
+    }
+    Ok(written)
+}
+
+fn run_scenario(s: &'static str, o: &Opts, rt: Option<&Arc<Runtime>>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let row = match (s, rt) {
+        ("bare-reuse", Some(rt)) => bare_call(rt, InstanceMode::Reuse, o.bare_messages, o.runs, s)?,
+        ("bare-fresh", Some(rt)) => bare_call(rt, InstanceMode::Fresh, o.bare_fresh_messages, o.runs, s)?,
+        ("batch-1", Some(rt)) => bare_batch(rt, 1, o.bare_messages, o.runs, s)?,
+        ("batch-10", Some(rt)) => bare_batch(rt, 10, o.bare_messages, o.runs, s)?,
+        ("batch-100", Some(rt)) => bare_batch(rt, 100, o.bare_messages, o.runs, s)?,
+        ("e2e-reuse", _) => e2e(o, config::InstanceMode::Reuse, s, None)?,
+        ("e2e-fresh", _) => e2e(o, config::InstanceMode::Fresh, s, None)?,
+        ("e2e-batch-1", _) => e2e(o, config::InstanceMode::Reuse, s, Some(1))?,
+        ("e2e-batch-10", _) => e2e(o, config::InstanceMode::Reuse, s, Some(10))?,
+        ("e2e-batch-100", _) => e2e(o, config::InstanceMode::Reuse, s, Some(100))?,
+        ("rabbitmq-drain", _) => {
+            let (bare, weir) = rabbitmq_drain(o)?;
+            rows.push(bare);
+            weir
+        }
+        ("nats-drain", _) => {
+            let (bare, weir) = nats_drain(o)?;
+            rows.push(bare);
+            weir
+        }
+        ("skew-zipf", _) => skew::skew(o, s, 0.0)?,
+        ("skew-hot", _) => skew::skew(o, s, skew::HOT_SHARE)?,
+        ("rss-idle", _) => skew::rss(o, s, "idle")?,
+        ("rss-loaded", _) => skew::rss(o, s, "loaded")?,
+        ("latency", _) => {
+            // Half the peak of this run's e2e-reuse, or of a short one of its own.
+            let peak = match rows.iter().find(|r| r.name == "e2e-reuse") {
+                Some(r) => 1e9 / r.ns(),
+                None => {
+                    let tokio_rt = node::async_runtime()?;
+                    let n = o.messages.min(100_000);
+                    let run = e2e_once(&tokio_rt, o, config::InstanceMode::Reuse, n, None)?;
+                    n as f64 / run.wall.as_secs_f64()
+                }
+            };
+            skew::latency(o, s, peak)?
+        }
+        _ => bail!("scenario {s} has no runner"),
+    };
+    rows.push(row);
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     // `weir-bench polyglot ...`: the orders handler per language (bench/src/polyglot.rs).
     if std::env::args().nth(1).as_deref() == Some("polyglot") {
         return polyglot::main(std::env::args().skip(2));
     }
     let o = parse_args()?;
+    if let Some(which) = &o.rss_probe {
+        return skew::rss_probe(&o, which);
+    }
     let started = Instant::now();
     let machine = machine();
     eprintln!(
@@ -793,59 +1115,62 @@ fn main() -> anyhow::Result<()> {
     );
 
     let mut rows: Vec<Row> = Vec::new();
-    let needs_bare = o
-        .scenarios
-        .iter()
-        .any(|s| !s.starts_with("e2e") && !s.ends_with("-drain"));
+    let mut errors: Vec<Value> = Vec::new();
+    let needs_bare = o.scenarios.iter().any(|s| ALL[..5].contains(s));
     let rt = if needs_bare {
-        Some(Runtime::new(RuntimeOptions::default())?)
+        Some(Runtime::new(node_runtime(None))?)
     } else {
         None
     };
     for s in o.scenarios.clone() {
-        let row = match (s, &rt) {
-            ("bare-reuse", Some(rt)) => bare_call(rt, InstanceMode::Reuse, o.bare_messages, o.runs, s)?,
-            ("bare-fresh", Some(rt)) => bare_call(rt, InstanceMode::Fresh, o.bare_fresh_messages, o.runs, s)?,
-            ("batch-1", Some(rt)) => bare_batch(rt, 1, o.bare_messages, o.runs, s)?,
-            ("batch-10", Some(rt)) => bare_batch(rt, 10, o.bare_messages, o.runs, s)?,
-            ("batch-100", Some(rt)) => bare_batch(rt, 100, o.bare_messages, o.runs, s)?,
-            ("e2e-reuse", _) => e2e(&o, config::InstanceMode::Reuse, s, None)?,
-            ("e2e-fresh", _) => e2e(&o, config::InstanceMode::Fresh, s, None)?,
-            ("e2e-batch-1", _) => e2e(&o, config::InstanceMode::Reuse, s, Some(1))?,
-            ("e2e-batch-10", _) => e2e(&o, config::InstanceMode::Reuse, s, Some(10))?,
-            ("e2e-batch-100", _) => e2e(&o, config::InstanceMode::Reuse, s, Some(100))?,
-            ("rabbitmq-drain", _) => {
-                let (bare, weir) = rabbitmq_drain(&o)?;
-                rows.push(bare);
-                weir
-            }
-            ("nats-drain", _) => {
-                let (bare, weir) = nats_drain(&o)?;
-                rows.push(bare);
-                weir
-            }
-            _ => bail!("scenario {s} has no runner"),
-        };
-        rows.push(row);
+        // One failing scenario (a broker that is down) does not lose the rest.
+        if let Err(e) = run_scenario(s, &o, rt.as_ref(), &mut rows) {
+            eprintln!("[weir-bench] {s}: FAILED: {e:#}");
+            errors.push(json!({ "scenario": s, "error": format!("{e:#}") }));
+        }
     }
     drop(rt);
 
     // Table.
     println!();
     println!(
-        "{:<11} {:>9} {:>12} {:>13} {:>15} {:>13}",
+        "{:<14} {:>9} {:>12} {:>13} {:>15} {:>13}  other",
         "scenario", "msgs/run", "ns/msg", "msg/s", "wall ns x wkrs", "CPU ns/msg"
     );
     for r in &rows {
         let opt = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |x| format!("{x:.0}"));
+        let other: Vec<String> = r
+            .extra
+            .iter()
+            .filter(|(k, _)| {
+                matches!(
+                    *k,
+                    "ratio_to_ideal"
+                        | "cpu_bound_ratio"
+                        | "rss_mib"
+                        | "hwm_mib"
+                        | "before_start_mib"
+                        | "p50_us"
+                        | "p99_us"
+                        | "p999_us"
+                )
+            })
+            .map(|(k, v)| format!("{k}={:.2}", median(v)))
+            .collect();
+        let (ns, rate) = if r.runs_ns.is_empty() {
+            ("-".to_owned(), "-".to_owned())
+        } else {
+            (format!("{:.0}", r.ns()), format!("{:.0}", 1e9 / r.ns()))
+        };
         println!(
-            "{:<11} {:>9} {:>12.0} {:>13.0} {:>15} {:>13}",
+            "{:<14} {:>9} {:>12} {:>13} {:>15} {:>13}  {}",
             r.name,
             r.messages,
-            r.ns(),
-            1e9 / r.ns(),
+            ns,
+            rate,
             opt(r.extra("wall_ns_x_workers")),
             opt(r.extra("cpu_ns_per_message")),
+            other.join(" "),
         );
     }
     // Host overhead.
@@ -867,20 +1192,29 @@ fn main() -> anyhow::Result<()> {
             }));
         }
     }
-    let mut rabbitmq_drain = Value::Null;
-    if let (Some(b), Some(w)) = (find("rmq-bare"), find("rmq-weir")) {
-        let ratio = b.ns() / w.ns();
+    let suite_ratios = ratios(&rows);
+    if !suite_ratios.is_empty() {
         println!();
-        println!("rabbitmq-drain: Weir / bare consumer = {ratio:.2} (target >= 0.90)");
-        rabbitmq_drain = json!({ "weir_over_bare": ratio, "target": 0.9, "meets_target": ratio >= 0.9 });
+        println!("{:<34} {:>7} {:>8}", "ratio against its anchor", "value", "target");
+        for (_, label, v, t) in &suite_ratios {
+            let target = t.map_or_else(|| "-".to_owned(), |t| format!("{t:.2}"));
+            let verdict = match t {
+                Some(t) if v >= t => "met",
+                Some(_) => "MISSED",
+                None => "",
+            };
+            println!("{label:<34} {v:>7.2} {target:>8} {verdict}");
+        }
     }
-    let mut nats_drain = Value::Null;
-    if let (Some(b), Some(w)) = (find("nats-bare"), find("nats-weir")) {
-        let ratio = b.ns() / w.ns();
-        println!();
-        println!("nats-drain: Weir / bare consumer = {ratio:.2} (target >= 0.90)");
-        nats_drain = json!({ "weir_over_bare": ratio, "target": 0.9, "meets_target": ratio >= 0.9 });
-    }
+    let ratio_json: serde_json::Map<String, Value> = suite_ratios
+        .iter()
+        .map(|(k, l, v, t)| {
+            (
+                (*k).to_owned(),
+                json!({ "label": l, "value": v, "target": t, "meets_target": t.map(|t| *v >= t) }),
+            )
+        })
+        .collect();
     if !overhead.is_empty() {
         println!();
         println!("host overhead = e2e − bare (target ≤ 1500 ns/msg, compare the per-core column)");
@@ -899,6 +1233,20 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
+    let charts_written = match &o.charts {
+        Some(dir) => match draw_charts(dir, &rows, &machine) {
+            Ok(w) => {
+                eprintln!("[weir-bench] charts in {}: {}", dir.display(), w.join(", "));
+                w
+            }
+            Err(e) => {
+                errors.push(json!({ "scenario": "charts", "error": format!("{e:#}") }));
+                Vec::new()
+            }
+        },
+        None => Vec::new(),
+    };
+
     let doc = json!({
         "tool": "weir-bench",
         "machine": machine,
@@ -907,9 +1255,10 @@ fn main() -> anyhow::Result<()> {
         "statistic": "median of runs, after one discarded warm-up",
         "elapsed_s": started.elapsed().as_secs_f64(),
         "results": rows.iter().map(Row::json).collect::<Vec<_>>(),
+        "ratios": ratio_json,
         "host_overhead": overhead,
-        "rabbitmq_drain": rabbitmq_drain,
-        "nats_drain": nats_drain,
+        "charts": charts_written,
+        "errors": errors,
     });
     if let Some(dir) = o.out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -921,5 +1270,12 @@ fn main() -> anyhow::Result<()> {
         o.out.display(),
         started.elapsed().as_secs_f64()
     );
+    if !errors.is_empty() {
+        bail!(
+            "{} scenario(s) failed: {}",
+            errors.len(),
+            serde_json::to_string(&errors)?
+        );
+    }
     Ok(())
 }

@@ -158,6 +158,67 @@ pub fn decode(
     })
 }
 
+/// [`decode`] straight from a broker's header pairs, in the order the broker
+/// gives them: only what the envelope keeps is copied (no intermediate
+/// [`Wire`] with a `String` pair per header). The payload is left empty for
+/// the caller to move in. `None` when the pairs would not decode (no
+/// message type, an invalid `weir-attempt`): the caller then builds the
+/// [`Wire`] and calls [`decode`], which names the problem and keeps the
+/// message intact. For pairs that decode, the result equals [`decode`]'s.
+pub fn decode_pairs<'a>(
+    pairs: impl IntoIterator<Item = (&'a str, std::borrow::Cow<'a, str>)>,
+    fallback_id: impl FnOnce() -> String,
+    attempt_override: Option<u32>,
+) -> Option<Envelope> {
+    let (mut id, mut message_type, mut group_id, mut tenant_id) = (None, None, None, None);
+    let mut attempt = attempt_override;
+    let mut attempt_seen = attempt_override.is_some();
+    let mut headers = Vec::new();
+    for (k, v) in pairs {
+        let field = match k {
+            header::MESSAGE_ID => &mut id,
+            header::GROUP_ID => &mut group_id,
+            header::TENANT_ID => &mut tenant_id,
+            header::MESSAGE_TYPE => {
+                if message_type.is_none() {
+                    // `decode` judges the first one: empty means missing.
+                    if v.is_empty() {
+                        return None;
+                    }
+                    message_type = Some(v.into_owned());
+                }
+                continue;
+            }
+            header::ATTEMPT => {
+                if !attempt_seen {
+                    attempt_seen = true;
+                    match v.parse::<u32>() {
+                        Ok(a) if a >= 1 => attempt = Some(a),
+                        _ => return None,
+                    }
+                }
+                continue;
+            }
+            _ => {
+                headers.push((k.to_owned(), v.into_owned()));
+                continue;
+            }
+        };
+        if field.is_none() && !v.is_empty() {
+            *field = Some(v.into_owned());
+        }
+    }
+    Some(Envelope {
+        id: id.unwrap_or_else(fallback_id),
+        message_type: message_type?,
+        group_id,
+        tenant_id,
+        headers,
+        payload: Vec::new(),
+        attempt: attempt.unwrap_or(1),
+    })
+}
+
 /// Encode an envelope for a broker: the derived `weir-*` headers come from
 /// the fields; every other header is kept as it is.
 pub fn encode(env: &Envelope) -> Wire {
@@ -295,6 +356,87 @@ mod tests {
         let w = encode(&env);
         assert_eq!(w.header(header::ATTEMPT), Some("3"));
         assert_eq!(w.headers.iter().filter(|(k, _)| k == header::ATTEMPT).count(), 1);
+    }
+
+    /// `decode_pairs` gives what `decode` gives, or `None` where `decode`
+    /// refuses.
+    fn agree(h: &[(&str, &str)], attempt: Option<u32>) {
+        let w = wire(h);
+        let fields = |e: Envelope| {
+            (
+                e.id,
+                e.message_type,
+                e.group_id,
+                e.tenant_id,
+                e.headers,
+                e.payload,
+                e.attempt,
+            )
+        };
+        let slow = decode(w.clone(), || "fb".into(), attempt).ok().map(fields);
+        let fast = decode_pairs(
+            w.headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), std::borrow::Cow::Borrowed(v.as_str()))),
+            || "fb".into(),
+            attempt,
+        )
+        .map(|mut e| {
+            e.payload = w.body.clone();
+            fields(e)
+        });
+        assert_eq!(fast, slow, "{h:?} {attempt:?}");
+    }
+
+    #[test]
+    fn decode_pairs_agrees_with_decode() {
+        use header::*;
+        agree(&[(MESSAGE_TYPE, "t")], None);
+        agree(&[(MESSAGE_TYPE, "")], None);
+        agree(&[(MESSAGE_TYPE, ""), (MESSAGE_TYPE, "t")], None);
+        agree(&[(MESSAGE_TYPE, "t"), (MESSAGE_TYPE, "u")], None);
+        agree(&[], None);
+        agree(&[(MESSAGE_TYPE, "t"), (ATTEMPT, "0")], None);
+        agree(&[(MESSAGE_TYPE, "t"), (ATTEMPT, "0")], Some(4));
+        agree(&[(MESSAGE_TYPE, "t"), (ATTEMPT, "3"), (ATTEMPT, "x")], None);
+        agree(&[(ATTEMPT, "x"), (MESSAGE_TYPE, "t")], None);
+        agree(
+            &[
+                ("x-a", "1"),
+                (MESSAGE_ID, ""),
+                (MESSAGE_ID, "m"),
+                (GROUP_ID, ""),
+                (TENANT_ID, "acme"),
+                (TENANT_ID, "other"),
+                (MESSAGE_TYPE, "t"),
+                ("x-a", "2"),
+                (ATTEMPT, "2"),
+            ],
+            None,
+        );
+        agree(
+            &[(GROUP_ID, "g"), (MESSAGE_TYPE, "t"), ("content-type", "json")],
+            Some(7),
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decode_pairs_agrees_with_decode_on_any_headers(
+            h in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec![
+                        header::MESSAGE_ID, header::MESSAGE_TYPE, header::GROUP_ID,
+                        header::TENANT_ID, header::ATTEMPT, "x-user", "weir-error",
+                    ]),
+                    proptest::sample::select(vec!["", "0", "1", "7", "abc", "g"]),
+                ),
+                0..8,
+            ),
+            attempt in proptest::option::of(1u32..5),
+        ) {
+            agree(&h, attempt);
+        }
     }
 
     #[test]

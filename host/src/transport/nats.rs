@@ -35,6 +35,7 @@
 //! host dead-letters on the last delivery minus the capture reserve, so a
 //! failed capture still has deliveries left to be retried on.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -877,17 +878,34 @@ impl NatsSubscription {
         };
         let reply = m.reply.clone();
         let (message, acker) = m.split();
-        let wire = wire_of(message.headers.as_ref(), message.payload);
-        let fallback = wire.header("Nats-Msg-Id").map(str::to_owned);
-        let stream = s.stream.clone();
+        let stream = &s.stream;
+        let fallback = || {
+            message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Nats-Msg-Id"))
+                .map_or_else(|| format!("{stream}-{sequence}"), |v| v.as_str().to_owned())
+        };
         // Slot deliveries count attempts by the server's delivery count (the
         // stored message is never republished); ingress keeps the header.
         let attempt = s.slot.map(|_| delivered);
-        let decoded = envelope::decode(
-            wire,
-            || fallback.unwrap_or_else(|| format!("{stream}-{sequence}")),
-            attempt,
-        );
+        // Straight from the header map; through a `Wire` only when it does
+        // not decode, so the capture gets the message as it came.
+        let fast = message.headers.as_ref().and_then(|h| {
+            let pairs = h.iter().flat_map(|(name, values)| {
+                values
+                    .iter()
+                    .map(move |v| (AsRef::<str>::as_ref(name), Cow::Borrowed(v.as_str())))
+            });
+            envelope::decode_pairs(pairs, fallback, attempt)
+        });
+        let decoded = match fast {
+            Some(mut env) => {
+                env.payload = Vec::from(message.payload);
+                Ok(env)
+            }
+            None => envelope::decode(wire_of(message.headers.as_ref(), message.payload), fallback, attempt),
+        };
         let track = reply.map(|r| s.progress.track(r));
         Delivery {
             message: decoded,

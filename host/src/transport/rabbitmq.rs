@@ -22,6 +22,7 @@
 //! topology declared so far. An ack on a dead channel is an error, never
 //! retried: the broker redelivers that message.
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -176,37 +177,41 @@ fn properties(wire: &Wire) -> BasicProperties {
 
 /// A header value as text; `None` for values that are not scalars (arrays and
 /// tables such as RabbitMQ's own `x-death`), which Weir does not carry.
-fn value_text(v: &AMQPValue) -> Option<String> {
+/// Borrowed where it already is text, so decoding copies only what it keeps.
+fn value_text(v: &AMQPValue) -> Option<Cow<'_, str>> {
     Some(match v {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        AMQPValue::ShortString(s) => s.as_str().to_owned(),
-        AMQPValue::Boolean(b) => b.to_string(),
-        AMQPValue::ShortShortInt(n) => n.to_string(),
-        AMQPValue::ShortShortUInt(n) => n.to_string(),
-        AMQPValue::ShortInt(n) => n.to_string(),
-        AMQPValue::ShortUInt(n) => n.to_string(),
-        AMQPValue::LongInt(n) => n.to_string(),
-        AMQPValue::LongUInt(n) => n.to_string(),
-        AMQPValue::LongLongInt(n) => n.to_string(),
-        AMQPValue::Timestamp(n) => n.to_string(),
-        AMQPValue::Float(n) => n.to_string(),
-        AMQPValue::Double(n) => n.to_string(),
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()),
+        AMQPValue::ShortString(s) => Cow::Borrowed(s.as_str()),
+        AMQPValue::Boolean(b) => Cow::Owned(b.to_string()),
+        AMQPValue::ShortShortInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::ShortShortUInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::ShortInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::ShortUInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::LongInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::LongUInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::LongLongInt(n) => Cow::Owned(n.to_string()),
+        AMQPValue::Timestamp(n) => Cow::Owned(n.to_string()),
+        AMQPValue::Float(n) => Cow::Owned(n.to_string()),
+        AMQPValue::Double(n) => Cow::Owned(n.to_string()),
         _ => return None,
     })
 }
 
-/// The [`Wire`] form of a received message.
-fn wire_of(props: &BasicProperties, body: Vec<u8>) -> Wire {
-    let headers = props
+/// Every scalar header of `props` as text, in the table's order.
+fn header_pairs(props: &BasicProperties) -> impl Iterator<Item = (&str, Cow<'_, str>)> {
+    props
         .headers()
         .as_ref()
-        .map(|t| {
-            t.inner()
-                .iter()
-                .filter_map(|(k, v)| value_text(v).map(|v| (k.as_str().to_owned(), v)))
-                .collect()
-        })
-        .unwrap_or_default();
+        .into_iter()
+        .flat_map(|t| t.inner().iter())
+        .filter_map(|(k, v)| value_text(v).map(|v| (k.as_str(), v)))
+}
+
+/// The [`Wire`] form of a received message.
+fn wire_of(props: &BasicProperties, body: Vec<u8>) -> Wire {
+    let headers = header_pairs(props)
+        .map(|(k, v)| (k.to_owned(), v.into_owned()))
+        .collect();
     Wire { headers, body }
 }
 
@@ -676,9 +681,22 @@ impl RabbitSubscription {
             acker,
             ..
         } = d;
-        let amqp_id = properties.message_id().as_ref().map(|s| s.as_str().to_owned());
-        let wire = wire_of(&properties, data);
-        let message = envelope::decode(wire, || amqp_id.unwrap_or_else(envelope::fresh_id), None);
+        // The AMQP message id names it only when `weir-message-id` is absent.
+        let fallback = || {
+            properties
+                .message_id()
+                .as_ref()
+                .map_or_else(envelope::fresh_id, |s| s.as_str().to_owned())
+        };
+        // Straight from the header table; through a `Wire` only when it does
+        // not decode, so the capture gets the message as it came.
+        let message = match envelope::decode_pairs(header_pairs(&properties), fallback, None) {
+            Some(mut env) => {
+                env.payload = data;
+                Ok(env)
+            }
+            None => envelope::decode(wire_of(&properties, data), fallback, None),
+        };
         self.acks.received(delivery_tag);
         Delivery {
             message,

@@ -79,8 +79,16 @@ impl AckBook {
     }
 
     /// Finished tags a `multiple` ack can cover now.
+    #[cfg(test)]
     pub fn coverable(&self) -> usize {
         self.done.range(..=self.floor()).count()
+    }
+
+    /// Whether a `multiple` ack could cover at least `n` finished tags now;
+    /// walks at most `n` of them, and none while fewer than `n` are finished
+    /// (the common case, asked once per delivery).
+    pub fn coverable_at_least(&self, n: usize) -> bool {
+        n == 0 || self.done.len() >= n && self.done.range(..=self.floor()).nth(n - 1).is_some()
     }
 
     /// Take the `multiple` ack over the floor, and single acks for finished
@@ -150,7 +158,7 @@ impl Coalescer {
             let mut b = self.book.lock();
             let was_idle = b.idle();
             b.finished(tag, Instant::now());
-            was_idle || b.coverable() >= BATCH
+            was_idle || b.coverable_at_least(BATCH)
         };
         if wake {
             self.wake.notify_one();
@@ -313,5 +321,24 @@ mod tests {
         b.finished(7, now);
         assert_eq!(b.floor(), 7);
         assert_eq!(b.coverable(), 1);
+        assert!(b.coverable_at_least(1) && !b.coverable_at_least(2));
+    }
+
+    #[test]
+    fn coverable_at_least_counts_only_below_the_floor() {
+        let now = Instant::now();
+        let mut b = AckBook::default();
+        for t in 1..=6 {
+            b.received(t);
+        }
+        for t in [1, 2, 4, 5, 6] {
+            b.finished(t, now);
+        }
+        // 3 is outstanding: only 1 and 2 are coverable.
+        assert!(b.coverable_at_least(2));
+        assert!(!b.coverable_at_least(3));
+        b.finished(3, now);
+        assert!(b.coverable_at_least(6));
+        assert!(!b.coverable_at_least(7));
     }
 }
