@@ -307,3 +307,31 @@ fn batch_with_a_trapping_member_faults_as_a_whole() {
         "the next batch after a trap works"
     );
 }
+
+/// After a swap (the old version retired), a worker's next call frees the
+/// instance it kept of the old version: a large guest's memory does not
+/// linger until the instance cache fills. Counted with the pool's live
+/// instances; the control is the same sequence without the retirement.
+#[test]
+fn a_retired_versions_instances_are_freed_at_the_next_call() {
+    let rt = runtime(8);
+    let metrics = rt.engine().pooling_allocator_metrics().unwrap();
+    for retire in [true, false] {
+        let old = load(&rt, HandlerSettings::new("swap-old"));
+        let new = load(&rt, HandlerSettings::new("swap-new"));
+        let mut exec = Executor::new(rt.clone());
+        answer(&mut exec, &old, "ok", "").unwrap();
+        assert_eq!(metrics.component_instances(), 1);
+        if retire {
+            old.retire();
+        }
+        answer(&mut exec, &new, "ok", "").unwrap();
+        let want = if retire { 1 } else { 2 };
+        assert_eq!(
+            metrics.component_instances(),
+            want,
+            "retired: {retire}: live instances after the new version's first call"
+        );
+        drop(exec);
+    }
+}

@@ -193,6 +193,10 @@ impl HandlerSettings {
 
 static NEXT_VERSION: AtomicU64 = AtomicU64::new(1);
 
+/// Bumped whenever a version is retired: executors then drop the instances
+/// they keep of retired versions (one load per call to notice).
+static RETIREMENTS: AtomicU64 = AtomicU64::new(0);
+
 /// One compiled, validated version of a handler.
 pub struct HandlerVersion {
     /// Process-unique id (instance caches key on it).
@@ -251,6 +255,7 @@ impl HandlerVersion {
     /// Mark this version as replaced: workers drop their cached instances.
     pub fn retire(&self) {
         self.retired.store(true, Ordering::Relaxed);
+        RETIREMENTS.fetch_add(1, Ordering::Release);
     }
 
     fn is_retired(&self) -> bool {
@@ -581,6 +586,8 @@ pub struct Executor {
     on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
     /// Reusable instances by version id (ids are unique: no hashing needed).
     cache: HashMap<u64, (Arc<HandlerVersion>, Instance), nohash_hasher::BuildNoHashHasher<u64>>,
+    /// [`RETIREMENTS`] when the cache was last swept of retired versions.
+    swept: u64,
 }
 
 impl Executor {
@@ -590,6 +597,7 @@ impl Executor {
             runtime,
             on_long_call: None,
             cache: HashMap::default(),
+            swept: 0,
         }
     }
 
@@ -615,7 +623,11 @@ impl Executor {
         if version.settings.instance_mode == InstanceMode::Reuse && !version.is_retired() {
             self.cache.insert(version.id, (version.clone(), inst));
         }
-        if self.cache.len() > 8 {
+        // After a swap, free the old version's instances (a Python guest's
+        // is tens of MiB) instead of keeping them until the cache fills.
+        let retirements = RETIREMENTS.load(Ordering::Acquire);
+        if retirements != self.swept || self.cache.len() > 8 {
+            self.swept = retirements;
             self.cache.retain(|_, (v, _)| !v.is_retired());
         }
     }
