@@ -836,6 +836,14 @@ impl Registry {
             let config_digest = digest(&self.specs[name].config_bytes);
             write_dir_history(dir, name, &config_digest, &state.activations)?;
         }
+        drop(states);
+        self.swap_in(name, version, &activation);
+        Ok(())
+    }
+
+    /// The swap itself: install `version` in the router (the old one is
+    /// retired), count it, say so.
+    fn swap_in(&self, name: &str, version: Arc<HandlerVersion>, activation: &Activation) {
         let old = self.router.install(version);
         self.swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
@@ -843,9 +851,9 @@ impl Registry {
             digest = %activation.digest,
             previous = old.as_ref().map(|o| o.digest.as_str()).unwrap_or("none"),
             source = %activation.source,
+            node = %activation.node,
             "handler version swapped"
         );
-        Ok(())
     }
 
     /// Handlers `caller` may see, by name.
@@ -950,15 +958,7 @@ impl Registry {
         state.activations = activations;
         state.keep(&latest.grants, version.clone());
         drop(states);
-        let old = self.router.install(version);
-        self.swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tracing::info!(
-            handler = name,
-            digest = %latest.digest,
-            previous = old.as_ref().map(|o| o.digest.as_str()).unwrap_or("none"),
-            from = %latest.node,
-            "handler version swapped (deployed through the cluster)"
-        );
+        self.swap_in(name, version, &latest);
         Ok(())
     }
 
