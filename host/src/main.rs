@@ -82,15 +82,8 @@ enum Command {
     /// listener. It is validated first; a refused upload leaves the running
     /// version serving.
     Deploy {
-        /// The node's admin listener, e.g. `http://127.0.0.1:9464`.
-        #[arg(long)]
-        admin: String,
-        /// Operator or tenant token (or WEIR_TOKEN).
-        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
-        token: String,
-        /// The handler's name.
-        #[arg(long)]
-        handler: String,
+        #[command(flatten)]
+        target: AdminTarget,
         /// Grant a host environment variable (repeatable; checked against the tenant's allowance).
         #[arg(long = "grant-env")]
         grant_env: Vec<String>,
@@ -102,21 +95,38 @@ enum Command {
     },
     /// Make a handler's previous version current again.
     Rollback {
-        /// The node's admin listener, e.g. `http://127.0.0.1:9464`.
-        #[arg(long)]
-        admin: String,
-        /// Operator or tenant token (or WEIR_TOKEN).
-        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
-        token: String,
-        /// The handler's name.
-        #[arg(long)]
-        handler: String,
+        #[command(flatten)]
+        target: AdminTarget,
     },
     /// Retry schedule tools.
     Schedule {
         #[command(subcommand)]
         command: ScheduleCommand,
     },
+}
+
+/// Which node, as whom, which handler: `weir deploy` and `weir rollback`.
+#[derive(clap::Args)]
+struct AdminTarget {
+    /// The node's admin listener, e.g. `http://127.0.0.1:9464`.
+    #[arg(long)]
+    admin: String,
+    /// Operator or tenant token (or WEIR_TOKEN).
+    #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+    token: String,
+    /// The handler's name.
+    #[arg(long)]
+    handler: String,
+}
+
+impl AdminTarget {
+    fn as_target(&self) -> deploy::Target<'_> {
+        deploy::Target {
+            admin: &self.admin,
+            token: &self.token,
+            handler: &self.handler,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -235,27 +245,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command: ScheduleCommand::Check { config },
         } => schedule_check(&config),
         Command::Deploy {
-            admin,
-            token,
-            handler,
+            target,
             grant_env,
             grant_dir,
             file,
         } => {
-            let t = deploy::Target {
-                admin: &admin,
-                token: &token,
-                handler: &handler,
-            };
-            deploy::deploy(&t, &file, &grant_env, &grant_dir)?;
+            deploy::deploy(&target.as_target(), &file, &grant_env, &grant_dir)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Rollback { admin, token, handler } => {
-            deploy::rollback(&deploy::Target {
-                admin: &admin,
-                token: &token,
-                handler: &handler,
-            })?;
+        Command::Rollback { target } => {
+            deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { config, json } => {
