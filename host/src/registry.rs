@@ -691,21 +691,8 @@ impl Registry {
             .compile(name, &bytes, &grants, &origin, Priority::Background)
             .await
             .map_err(|e| DeployError::Invalid(format!("{e:#}")))?;
-        let activation = {
-            let state = self.snapshot(name);
-            self.record(
-                name,
-                &state,
-                &version,
-                &bytes,
-                &grants,
-                source,
-                current.as_ref().map(|c| c.seq),
-            )
-            .await
-            .map_err(DeployError::Store)?
-        };
-        self.activate(name, version, activation).map_err(DeployError::Store)?;
+        self.commit(name, version, &bytes, &grants, source, current.as_ref().map(|c| c.seq))
+            .await?;
         Ok(Deployed {
             handler: name.to_owned(),
             digest: new_digest,
@@ -769,21 +756,8 @@ impl Registry {
                 .await
                 .unwrap_or_else(|_| Arc::from(Vec::new())),
         };
-        let activation = {
-            let state = self.snapshot(name);
-            self.record(
-                name,
-                &state,
-                &version,
-                &bytes,
-                &target.grants,
-                "rollback",
-                target.previous,
-            )
-            .await
-            .map_err(DeployError::Store)?
-        };
-        self.activate(name, version, activation).map_err(DeployError::Store)?;
+        self.commit(name, version, &bytes, &target.grants, "rollback", target.previous)
+            .await?;
         Ok(Deployed {
             handler: name.to_owned(),
             digest: target.digest,
@@ -824,6 +798,25 @@ impl Registry {
             activations: states.get(name).and_then(State::current).cloned().into_iter().collect(),
             compiled: Vec::new(),
         }
+    }
+
+    /// Store `version` and its activation, then swap it in. Nothing is
+    /// swapped when storing fails.
+    async fn commit(
+        &self,
+        name: &str,
+        version: Arc<HandlerVersion>,
+        bytes: &[u8],
+        grants: &Grants,
+        source: &str,
+        previous: Option<i64>,
+    ) -> Result<(), DeployError> {
+        let state = self.snapshot(name);
+        let activation = self
+            .record(name, &state, &version, bytes, grants, source, previous)
+            .await
+            .map_err(DeployError::Store)?;
+        self.activate(name, version, activation).map_err(DeployError::Store)
     }
 
     /// Swap: install `version` and remember the activation.
