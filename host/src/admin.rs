@@ -200,6 +200,18 @@ pub async fn serve(
 }
 
 async fn ready(State(s): State<Arc<AdminState>>) -> Response {
+    let failing = s.stats.failing();
+    if !failing.is_empty() {
+        let slots: Vec<String> = failing
+            .iter()
+            .map(|((t, n), why)| format!("{t}/{n}: {why}"))
+            .collect();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: slot runner failed, restarting: {}\n", slots.join("; ")),
+        )
+            .into_response();
+    }
     if s.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready\n").into_response()
     } else {
@@ -529,6 +541,11 @@ impl Collector for Scrape {
                 "guest_faults",
                 "Guest calls that trapped, timed out or were interrupted.",
                 s.faults,
+            ),
+            (
+                "runner_panics",
+                "Slot runner jobs that panicked (caught; the runner restarted).",
+                s.runner_panics,
             ),
         ] {
             let c = ConstCounter::new(n);

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
@@ -112,6 +113,29 @@ pub struct SlotSettings {
     /// Breaks guarantee 1 on purpose; never set it in production.
     #[doc(hidden)]
     pub bypass_batch_lanes: bool,
+    /// Fault injection for tests: the job holding the first message of this
+    /// type panics (once per node). Never set in production.
+    #[doc(hidden)]
+    pub inject_panic: Option<Arc<InjectedPanic>>,
+}
+
+/// A panic a test asks for, fired once: see [`SlotSettings::inject_panic`].
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct InjectedPanic {
+    /// The message type whose job panics.
+    pub message_type: String,
+    /// Set once it fired.
+    pub fired: AtomicBool,
+}
+
+impl InjectedPanic {
+    #[allow(clippy::panic, reason = "panicking on request is this test hook's job")]
+    fn fire(&self, envs: &[Envelope]) {
+        if envs.iter().any(|e| e.message_type == self.message_type) && !self.fired.swap(true, Ordering::SeqCst) {
+            panic!("injected panic (test hook) in a job holding a `{}` message", self.message_type);
+        }
+    }
 }
 
 /// Every kind of work a runner can have in flight. The drain must wait for
@@ -139,6 +163,9 @@ impl LaneKind {
 }
 
 enum Done {
+    /// A job that panicked, with what it would have returned and the
+    /// panic's message.
+    Panicked(Box<Done>, String),
     /// A job that ran the messages of these lanes (by lane key).
     Groups(Vec<u64>),
     Unordered,
@@ -150,6 +177,7 @@ enum Done {
 impl Done {
     fn kind(&self) -> LaneKind {
         match self {
+            Done::Panicked(done, _) => done.kind(),
             Done::Groups(_) => LaneKind::Grouped,
             Done::Unordered => LaneKind::Unordered,
             Done::Capture => LaneKind::Capture,
@@ -238,11 +266,19 @@ fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant) -> Take {
     Take::Batch(lane.queue.drain(..n).map(|q| q.d).collect(), reason)
 }
 
-/// The key of a group's lane: the FNV-1a hash of its id (the same hash the
-/// slot function starts from). Two groups whose ids collide share a lane and
-/// are serialised together: slower, never unsafe.
-fn lane_key(group: &str) -> u64 {
-    partition::fnv1a_64(group.as_bytes())
+/// The key of a group's lane: the FNV-1a hash of (tenant, group id), so two
+/// tenants' groups of the same name never share a lane (one tenant cannot
+/// hold another's messages behind its own). Without a tenant it is the hash
+/// of the group id alone (the same hash the slot function starts from). Two
+/// keys that collide share a lane and are serialised together: slower,
+/// never unsafe.
+fn lane_key(tenant: Option<&str>, group: &str) -> u64 {
+    match tenant {
+        None => partition::fnv1a_64(group.as_bytes()),
+        // A NUL cannot be part of the tenant's UTF-8 name, so ("a", "bc") and
+        // ("ab", "c") hash different byte strings.
+        Some(t) => partition::fnv1a_64_continue(partition::fnv1a_64_continue(partition::fnv1a_64(t.as_bytes()), b"\0"), group.as_bytes()),
+    }
 }
 
 /// The lane of ungrouped batched messages of one (tenant, handler).
@@ -287,6 +323,8 @@ pub struct SlotRunner {
     running_unordered: usize,
     inflight: FuturesUnordered<BoxFuture<'static, Done>>,
     report: RunnerReport,
+    /// Set by the first job that panicked: the runner drains and stops.
+    poisoned: Option<String>,
 }
 
 impl SlotRunner {
@@ -305,6 +343,7 @@ impl SlotRunner {
             running_unordered: 0,
             inflight: FuturesUnordered::new(),
             report: RunnerReport::default(),
+            poisoned: None,
         }
     }
 
@@ -365,6 +404,9 @@ impl SlotRunner {
                         None => break,
                     },
                 }
+                if self.poisoned.is_some() {
+                    break;
+                }
                 self.schedule();
                 s.counters
                     .set_depth(self.queued + self.unordered.len(), self.running_groups);
@@ -375,6 +417,9 @@ impl SlotRunner {
         sub.close().await;
         drop(sub);
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner drained");
+        if let Some(text) = self.poisoned.take() {
+            anyhow::bail!("a job of slot {} of topology `{}` panicked: {text}", s.slot, s.topology);
+        }
         Ok(self.report)
     }
 
@@ -414,10 +459,7 @@ impl SlotRunner {
         let key = match &d.message {
             Err(_) => {
                 let (p, s) = (self.p.clone(), self.s.clone());
-                self.inflight.push(Box::pin(async move {
-                    capture_undecodable(&p, &s, d).await;
-                    Done::Capture
-                }));
+                self.job(Done::Capture, async move { capture_undecodable(&p, &s, d).await });
                 return;
             }
             Ok(env) => {
@@ -429,7 +471,7 @@ impl SlotRunner {
                         } else {
                             0
                         };
-                        Some((lane_key(g) ^ salt, batch, false))
+                        Some((lane_key(env.tenant_id.as_deref(), g) ^ salt, batch, false))
                     }
                     (None, Some(rule)) => Some((loose_key(env.tenant_id.as_deref(), &rule.handler), Some(rule), true)),
                     (None, None) => None,
@@ -492,8 +534,34 @@ impl SlotRunner {
         }
     }
 
+    /// Put `work` in flight; `done` says what it occupies. A panic in it is
+    /// caught here: the messages it held are left unsettled (the broker
+    /// redelivers them once this runner's subscription is gone), the panic
+    /// is counted and logged at once, the slot is marked failing (`/ready`
+    /// answers 503), and the runner stops taking deliveries, drains what
+    /// else runs and returns an error, so its supervisor restarts it.
+    fn job(&mut self, done: Done, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.inflight.push(Box::pin(async move {
+            match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+                Ok(()) => done,
+                Err(panic) => Done::Panicked(Box::new(done), panic_text(panic.as_ref())),
+            }
+        }));
+    }
+
     fn finish(&mut self, done: Done) {
         match done {
+            Done::Panicked(done, text) => {
+                let s = &self.s;
+                self.p.stats.runner_panics.fetch_add(1, Ordering::Relaxed);
+                self.p.stats.mark_failing(&s.topology, s.slot, &text);
+                tracing::error!(
+                    topology = %s.topology, slot = s.slot, panic = %text,
+                    "a job of this slot panicked; its messages are left to the broker, and the runner drains and restarts"
+                );
+                self.poisoned.get_or_insert(text);
+                self.finish(*done);
+            }
             Done::Groups(keys) => {
                 for key in keys {
                     self.lane_done(key);
@@ -585,17 +653,11 @@ impl SlotRunner {
             }
             if !batches.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                self.inflight.push(Box::pin(async move {
-                    run_batches(p, s, c, batches).await;
-                    Done::Batches(batch_keys)
-                }));
+                self.job(Done::Batches(batch_keys), run_batches(p, s, c, batches));
             }
             if !keys.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                self.inflight.push(Box::pin(async move {
-                    run_lane(p, s, c, run).await;
-                    Done::Groups(keys)
-                }));
+                self.job(Done::Groups(keys), run_lane(p, s, c, run));
             }
         }
         let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
@@ -618,12 +680,18 @@ impl SlotRunner {
             let run: Vec<Delivery> = self.unordered.drain(..n).collect();
             self.running_unordered += 1;
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-            self.inflight.push(Box::pin(async move {
-                run_lane(p, s, c, run).await;
-                Done::Unordered
-            }));
+            self.job(Done::Unordered, run_lane(p, s, c, run));
         }
     }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 async fn capture_undecodable(p: &Pipeline, s: &SlotSettings, d: Delivery) {
@@ -820,6 +888,9 @@ async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool
     let (envs, pending) = admit_all(&p, &s, run).await;
     if envs.is_empty() {
         return;
+    }
+    if let Some(i) = &s.inject_panic {
+        i.fire(&envs);
     }
     let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
     let permits = admission(pending.iter().map(|x| &x.handler)).await;

@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use futures::FutureExt as _;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -72,6 +73,10 @@ pub struct NodeOptions {
     /// Negative control for tests: batches run outside their group's lane.
     #[doc(hidden)]
     pub bypass_batch_lanes: bool,
+    /// Fault injection for tests: the job holding the first message of this
+    /// type panics, once. Never in production.
+    #[doc(hidden)]
+    pub inject_panic_on: Option<String>,
 }
 
 /// A running node.
@@ -259,6 +264,12 @@ impl Node {
         let mut forwarders = JoinSet::new();
         let mut topologies = HashMap::new();
         let mut templates = HashMap::new();
+        let inject_panic = opts.inject_panic_on.as_ref().map(|t| {
+            Arc::new(crate::lanes::InjectedPanic {
+                message_type: t.clone(),
+                ..Default::default()
+            })
+        });
         let mut owned = Vec::new();
         let mut all_slots = Vec::new();
         for (ti, t) in config.topology.iter().enumerate() {
@@ -304,6 +315,7 @@ impl Node {
                     schedule,
                     bypass_lanes: opts.bypass_lanes,
                     bypass_batch_lanes: opts.bypass_batch_lanes,
+                    inject_panic: inject_panic.clone(),
                 },
             );
             owned.extend(slots.into_iter().map(|slot| (t.name.clone(), slot)));
@@ -463,6 +475,9 @@ async fn pause(stop: &mut watch::Receiver<bool>, delay: Duration) -> bool {
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// A slot marked failing counts as healthy again after its restarted runner
+/// ran this long without failing.
+const HEALTHY_AFTER: Duration = Duration::from_secs(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 fn merge(total: &mut RunnerReport, r: RunnerReport) {
@@ -486,8 +501,37 @@ pub(crate) async fn supervise_slot(
     loop {
         let started = Instant::now();
         let runner = SlotRunner::new(p.clone(), settings.clone());
-        *cancel.lock() = runner.cancel_handle();
-        let result = runner.run(stop.clone()).await;
+        let interrupt = runner.cancel_handle();
+        *cancel.lock() = interrupt.clone();
+        let run = std::panic::AssertUnwindSafe(runner.run(stop.clone())).catch_unwind();
+        tokio::pin!(run);
+        // A slot marked failing is healthy again once its new runner has
+        // run this long without failing.
+        let mut healthy_at = p.stats.failing().iter().any(|((t, s), _)| **t == *settings.topology && *s == settings.slot).then(|| tokio::time::Instant::now() + HEALTHY_AFTER);
+        let result = loop {
+            tokio::select! {
+                r = &mut run => break r,
+                () = tokio::time::sleep_until(healthy_at.unwrap_or_else(tokio::time::Instant::now)), if healthy_at.is_some() => {
+                    healthy_at = None;
+                    p.stats.clear_failing(&settings.topology, settings.slot);
+                    tracing::info!(messaging.system = system, topology = %settings.topology, slot = settings.slot, "slot runner healthy again");
+                }
+            }
+        };
+        let result = match result {
+            Ok(r) => r,
+            Err(panic) => {
+                // The runner itself panicked (not one of its jobs, which it
+                // catches): interrupt whatever it had handed to a worker, so
+                // nothing of it runs beside the redelivery.
+                interrupt.store(true, std::sync::atomic::Ordering::Relaxed);
+                let text = crate::lanes::panic_text(panic.as_ref());
+                p.stats.runner_panics.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                p.stats.mark_failing(&settings.topology, settings.slot, &text);
+                tracing::error!(messaging.system = system, topology = %settings.topology, slot = settings.slot, panic = %text, "slot runner panicked; restarting it");
+                Err(anyhow::anyhow!("slot runner panicked: {text}"))
+            }
+        };
         let error = match result {
             Ok(r) => {
                 merge(&mut total, r);

@@ -14,7 +14,14 @@ const JUMP_MULTIPLIER: u64 = 2_862_933_555_777_941_757;
 
 /// FNV-1a, 64-bit, over `bytes`.
 pub fn fnv1a_64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(FNV_OFFSET_BASIS, |hash, &byte| {
+    fnv1a_64_continue(FNV_OFFSET_BASIS, bytes)
+}
+
+/// FNV-1a, 64-bit, continued from `hash` over `bytes`: the hash of a
+/// concatenation without building it (`fnv1a_64(a ++ b) ==
+/// fnv1a_64_continue(fnv1a_64(a), b)`).
+pub fn fnv1a_64_continue(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |hash, &byte| {
         (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME)
     })
 }

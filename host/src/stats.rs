@@ -170,6 +170,29 @@ pub struct Stats {
     pub batch_released: AtomicU64,
     /// Outcomes per (topology, slot), handed to each slot's runner when it starts.
     slots: parking_lot::Mutex<BTreeMap<SlotKey, Arc<OutcomeCounters>>>,
+    /// Slot runner jobs that panicked (caught; the runner restarted).
+    pub runner_panics: AtomicU64,
+    /// Slots whose runner failed recently, with why: `GET /ready` answers
+    /// 503 while any is here. Cleared once a restarted runner has run for a
+    /// while without failing again.
+    failing: parking_lot::Mutex<BTreeMap<SlotKey, String>>,
+}
+
+impl Stats {
+    /// Mark a slot as failing (its runner panicked), with why.
+    pub fn mark_failing(&self, topology: &str, slot: u32, why: &str) {
+        self.failing.lock().insert((Arc::from(topology), slot), why.to_owned());
+    }
+
+    /// The slot runs well again.
+    pub fn clear_failing(&self, topology: &str, slot: u32) {
+        self.failing.lock().remove(&(Arc::from(topology), slot));
+    }
+
+    /// The slots marked failing, with why, in order.
+    pub fn failing(&self) -> Vec<(SlotKey, String)> {
+        self.failing.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
 }
 
 /// Upper bounds (inclusive) of the batch size buckets; the last is open.
@@ -256,6 +279,7 @@ impl Stats {
             ack_failures: g(&self.ack_failures),
             cascaded: g(&self.cascaded),
             faults: g(&self.faults),
+            runner_panics: g(&self.runner_panics),
             batch_sizes: std::array::from_fn(|i| (BATCH_SIZE_BUCKETS[i], g(&self.batch_sizes[i]))),
             batch_members: g(&self.batch_members),
             batch_flushes: FlushReason::ALL.map(|r| (r, g(&self.batch_flushes[r as usize]))),
@@ -288,6 +312,8 @@ pub struct Snapshot {
     pub cascaded: u64,
     /// See [`Stats::faults`].
     pub faults: u64,
+    /// See [`Stats::runner_panics`].
+    pub runner_panics: u64,
     /// Batches per size bucket: (inclusive upper bound, count).
     pub batch_sizes: [(u64, u64); BATCH_SIZE_BUCKETS.len()],
     /// See [`Stats::batch_members`].
