@@ -10,6 +10,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::http::{call, digest, free_port, variant, wait_up};
@@ -24,7 +25,8 @@ use weir::transport::rabbitmq::RabbitMq;
 
 const TOKEN: &str = "operator-secret-0123456789";
 const GROUPS: u64 = 40;
-const PER_GROUP: u64 = 60;
+/// Rounds of messages (one per group) published at least.
+const MIN_PER_GROUP: u64 = 20;
 
 /// One guest call: which message, which version, when.
 #[derive(Debug, Clone)]
@@ -173,13 +175,19 @@ async fn swap_and_rollback_under_a_steady_stream_on_rabbitmq() {
     let v2 = variant(&v1, &format!("hot-swap-{}", uuid::Uuid::new_v4()));
     let (d1, d2) = (digest(&v1), digest(&v2));
 
-    // A steady stream: every group's messages in order, ~500 a second.
+    // A steady stream: every group's messages in order, ~500 a second,
+    // until the swaps below have each been seen serving calls.
+    let stop = Arc::new(AtomicBool::new(false));
     let publisher = {
         let node = node.clone();
         let topology = topo.name.clone();
+        let stop = stop.clone();
         tokio::spawn(async move {
             let mut ids = Vec::new();
-            for seq in 0..PER_GROUP {
+            for seq in 0.. {
+                if seq >= MIN_PER_GROUP && stop.load(Ordering::Relaxed) {
+                    break;
+                }
                 for g in 0..GROUPS {
                     let msg = envelope::new_message(
                         envelope::fresh_id(),
@@ -198,15 +206,29 @@ async fn swap_and_rollback_under_a_steady_stream_on_rabbitmq() {
         })
     };
     let stream_start = Instant::now();
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Each step waits until the version before it has served calls, however
+    // slow the machine: the swaps land mid-stream by construction.
+    let calls_on = |digest: &str, after: Option<Instant>| {
+        log.calls
+            .lock()
+            .iter()
+            .filter(|c| c.digest == digest && after.is_none_or(|t| c.start > t))
+            .count()
+    };
+    wait_until("200 calls on v1 before the deploy", || calls_on(&d1, None) >= 200).await;
     let (code, body, deployed_at) = admin("PUT", port, "/v1/handlers/swap", v2.clone()).await;
     let deploy_took = deployed_at.elapsed();
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["digest"], d2.as_str());
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    wait_until("200 calls on v2 before the rollback", || calls_on(&d2, None) >= 200).await;
     let (code, body, rolled_back_at) = admin("POST", port, "/v1/handlers/swap/rollback", vec![]).await;
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["digest"], d1.as_str());
+    wait_until("200 calls on v1 after the rollback", || {
+        calls_on(&d1, Some(rolled_back_at)) >= 200
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
 
     let ids = publisher.await.unwrap();
     let total = ids.len();
@@ -220,7 +242,14 @@ async fn swap_and_rollback_under_a_steady_stream_on_rabbitmq() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Drained: no call can start after this, so a message that ran twice
+    // is in the log by now.
+    match Arc::try_unwrap(node) {
+        Ok(node) => {
+            node.shutdown().await.unwrap();
+        }
+        Err(_) => panic!("node still shared"),
+    }
     let calls = log.calls.lock().clone();
 
     // Exactly once, by exactly one version, nothing lost.
@@ -284,10 +313,13 @@ async fn swap_and_rollback_under_a_steady_stream_on_rabbitmq() {
         in_window(deployed_at),
         in_window(rolled_back_at),
     );
-    match Arc::try_unwrap(node) {
-        Ok(node) => {
-            node.shutdown().await.unwrap();
-        }
-        Err(_) => panic!("node still shared"),
+}
+
+/// Poll `cond` until it holds; fail naming `what` after a minute.
+async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < Duration::from_secs(60), "{what}: not within a minute");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

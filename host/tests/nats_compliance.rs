@@ -507,7 +507,13 @@ async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
         floor_warn_after: Some(secs(1)),
     };
     let mut h = start_on(Topo::new(), options, 2, &[secs(1)], 3).await;
-    tokio::time::sleep(ms(1200)).await;
+    // Both pollers have read their consumer: idle (nothing delivered past
+    // the floor), so neither may report a stall.
+    let start = Instant::now();
+    while h.node().ack_floor().len() < 2 {
+        assert!(start.elapsed() < secs(15), "both slot consumers polled");
+        tokio::time::sleep(ms(50)).await;
+    }
     let idle = h.node().ack_floor();
     assert_eq!(idle.len(), 2, "both slot consumers watched: {idle:?}");
     assert!(
@@ -538,12 +544,16 @@ async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
         "not redelivered mid-call (AckWait is 1s, the call 3s)"
     );
     assert!(longest >= ms(1500), "a blocked consumer stalls: longest {longest:?}");
-    tokio::time::sleep(ms(600)).await;
-    assert!(
-        h.node().ack_floor().iter().all(|f| f.stalled_for.is_zero()),
-        "caught up: {:?}",
-        h.node().ack_floor()
-    );
+    // Caught up: the next polls see the floor moved and report no stall.
+    let start = Instant::now();
+    while !h.node().ack_floor().iter().all(|f| f.stalled_for.is_zero()) {
+        assert!(
+            start.elapsed() < secs(15),
+            "caught up: {:?}",
+            h.node().ack_floor()
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
     h.shutdown().await;
 }
 

@@ -186,8 +186,10 @@ async fn retry_gaps_follow_the_ladder_and_exhaustion_dead_letters() {
     assert_eq!(calls.iter().map(|c| c.attempt).collect::<Vec<_>>(), vec![1, 2, 3]);
     for (i, rung) in ladder.iter().enumerate() {
         let gap = calls[i + 1].start - calls[i].end.unwrap();
+        // Never early (the rung is served); late only by scheduling, which a
+        // loaded machine stretches: the bound says "this rung, not a stall".
         assert!(
-            gap >= *rung && gap < *rung + Duration::from_millis(500),
+            gap >= *rung && gap < *rung + Duration::from_secs(3),
             "gap before delivery {} was {gap:?}, rung {rung:?}",
             i + 2
         );

@@ -221,8 +221,11 @@ fn each_fault_has_its_kind() {
     let f = fault(exec.call(&v, &message("loop", None, b""), &None));
     let took = started.elapsed();
     assert_eq!(f.kind, FaultKind::Timeout, "{f}");
+    // Never before the timeout; after it only by the epoch tick and the
+    // scheduler, which a loaded machine stretches (an endless loop would
+    // never return at all).
     assert!(
-        took >= Duration::from_millis(200) && took < Duration::from_millis(600),
+        took >= Duration::from_millis(200) && took < Duration::from_secs(5),
         "interrupted after {took:?}"
     );
 

@@ -9,22 +9,23 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use weir::config::{self, Config};
 use weir::envelope;
 use weir::node::{Node, NodeOptions, bundled};
 use weir::retry::capture::Reason;
-use weir::runtime::RuntimeOptions;
+use weir::runtime::{CallObserver, RuntimeOptions};
 use weir::transport::memory::MemoryBroker;
 
 const TOPOLOGY: &str = "tenants";
 
 fn config(fair: bool) -> Config {
     let noisy_limits = if fair {
-        r#"limits = { concurrency = 1, timeout = "300ms", memory = "32MiB" }"#
+        r#"limits = { concurrency = 1, timeout = "5s", memory = "32MiB" }"#
     } else {
-        r#"limits = { timeout = "300ms", memory = "32MiB" }"#
+        r#"limits = { timeout = "5s", memory = "32MiB" }"#
     };
     let text = format!(
         r#"
@@ -99,104 +100,108 @@ async fn wait_handled(node: &Node, at_least: u64, limit: Duration) {
     }
 }
 
-/// The quiet tenant's throughput (messages a second) for `n` messages over 100 groups.
-async fn quiet_burst(node: &Node, n: u64) -> f64 {
+/// Publish `n` quiet messages over 100 groups and wait until all are handled.
+async fn quiet_burst(node: &Node, n: u64) {
     let before = node.stats().snapshot().handled;
-    let start = Instant::now();
     for i in 0..n {
         node.publish(TOPOLOGY, &msg("ok", format!("q{}", i % 100), "quiet"))
             .await
             .unwrap();
     }
     wait_handled(node, before + n, Duration::from_secs(120)).await;
-    n as f64 / start.elapsed().as_secs_f64()
 }
 
-/// The noisy-neighbour measurements run one at a time: the red baseline's
-/// loops run at normal priority and would load the machine for the other.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// The noisy tenant's endless loops: how many run now, how many ended.
+#[derive(Default)]
+struct LoopWatch {
+    running: AtomicI64,
+    ended: AtomicU64,
+}
 
-/// Quiet alone, then with the noisy tenant looping and hogging, seven times
-/// each, interleaved; returns best noisy / best solo. The best of several
-/// runs is what the machine can do when nothing outside the test gets in the
-/// way (a busy machine only ever lowers a run), so the ratio measures the
-/// noisy tenant's effect rather than the machine's other load.
-async fn noisy_neighbour(fair: bool) -> f64 {
-    let _one_at_a_time = SERIAL.lock().await;
-    let cfg = config(fair);
-    let (node, _mem) = start(&cfg, fair).await;
-    const N: u64 = 20_000;
-    quiet_burst(&node, 500).await; // warm-up: instances, caches
-    let mut solo = Vec::new();
-    let mut noisy = Vec::new();
-    for round in 0..7 {
-        solo.push(quiet_burst(&node, N).await);
-        // Four endless loops and two memory hogs, in their own groups.
-        for g in 0..4 {
-            node.publish(TOPOLOGY, &msg("loop", format!("n{round}-{g}"), "noisy"))
-                .await
-                .unwrap();
-        }
-        for g in 0..2 {
-            node.publish(TOPOLOGY, &msg("hog", format!("h{round}-{g}"), "noisy"))
-                .await
-                .unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await; // the loops are running
-        noisy.push(quiet_burst(&node, N).await);
-        // Let the noisy tenant's calls time out and exhaust before the next round.
-        let stats = node.stats();
-        let start = Instant::now();
-        while stats.snapshot().dead_lettered.iter().map(|(_, n)| n).sum::<u64>() < 6 * (round + 1) {
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "noisy messages never dead-lettered"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+impl CallObserver for LoopWatch {
+    fn before(&self, msg: &envelope::Envelope) {
+        if msg.message_type == "loop" {
+            self.running.fetch_add(1, Ordering::SeqCst);
         }
     }
-    let demoted = node.demoted_calls();
-    node.shutdown().await.unwrap();
-    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+    fn after(&self, msg: &envelope::Envelope) {
+        if msg.message_type == "loop" {
+            self.ended.fetch_add(1, Ordering::SeqCst);
+            self.running.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Start the node with `fair` share or without, let the noisy tenant's four
+/// endless loops (5 s timeout) and two memory hogs take what they can, and
+/// once `loops` of them run, publish a burst of the quiet tenant's messages.
+/// Returns how many loop calls ended before the burst was handled.
+async fn quiet_burst_beside_loops(fair: bool, loops: i64) -> u64 {
+    let cfg = config(fair);
+    let watch = Arc::new(LoopWatch::default());
+    let mem = Arc::new(MemoryBroker::new());
+    let mut runtime = common::cached(RuntimeOptions::default());
+    if !fair {
+        runtime.demote_after = None;
+    }
+    let opts = NodeOptions {
+        workers: 2,
+        runtime,
+        call_observer: Some(watch.clone()),
+        ..NodeOptions::default()
     };
-    let ratio = best(&noisy) / best(&solo);
+    let node = Node::start(&cfg, mem, opts).await.unwrap();
+    quiet_burst(&node, 200).await; // warm-up: instances, caches
+    for g in 0..4 {
+        node.publish(TOPOLOGY, &msg("loop", format!("n{g}"), "noisy")).await.unwrap();
+    }
+    for g in 0..2 {
+        node.publish(TOPOLOGY, &msg("hog", format!("h{g}"), "noisy")).await.unwrap();
+    }
+    let start = Instant::now();
+    while watch.running.load(Ordering::SeqCst) < loops {
+        assert!(start.elapsed() < Duration::from_secs(30), "{loops} loops never ran at once");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let burst = Instant::now();
+    quiet_burst(&node, 2_000).await;
+    let ended = watch.ended.load(Ordering::SeqCst);
     println!(
-        "noisy neighbour (fair share {}): quiet alone best {:.0} msg/s (median {:.0}), with the noisy tenant best {:.0} \
-         msg/s (median {:.0}): {ratio:.2}x (medians {:.2}x); runs alone {solo:.0?}, with {noisy:.0?}; long calls demoted: {demoted}",
+        "fair share {}: 2000 quiet messages beside the noisy tenant in {:?}; loop calls ended meanwhile: {ended}; demoted: {}",
         if fair { "on" } else { "off" },
-        best(&solo),
-        median(&solo),
-        best(&noisy),
-        median(&noisy),
-        median(&noisy) / median(&solo),
+        burst.elapsed(),
+        node.demoted_calls()
     );
     if fair {
-        assert!(demoted > 0, "no long call was demoted");
+        assert!(node.demoted_calls() > 0, "no long call was demoted");
     }
-    ratio
+    node.shutdown().await.unwrap();
+    ended
 }
 
+/// The quiet tenant's whole burst is handled while the noisy tenant's loop
+/// still holds its worker (it is limited to one call at a time and demoted
+/// off the normal priority). The throughput ratio is a benchmark's business
+/// (`weir-bench`), not a test's: this asserts progress, which a loaded
+/// machine slows but cannot fake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_looping_hogging_tenant_does_not_starve_another() {
-    let ratio = noisy_neighbour(true).await;
-    assert!(
-        ratio >= 0.8,
-        "quiet tenant at {ratio:.2}x of its solo throughput with a noisy neighbour (want >= 0.8x)"
+    let ended = quiet_burst_beside_loops(true, 1).await;
+    assert_eq!(
+        ended, 0,
+        "the quiet burst had to wait for a noisy loop to time out"
     );
 }
 
-/// Red baseline: without per-tenant concurrency and without demotion, the
-/// noisy tenant's loops take every worker and the quiet tenant starves.
+/// Red baseline: without per-tenant concurrency and without demotion, two
+/// of the noisy tenant's loops take both workers and the quiet tenant's
+/// burst cannot finish before one of them times out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_without_fair_share_the_quiet_tenant_starves() {
-    let ratio = noisy_neighbour(false).await;
+    let ended = quiet_burst_beside_loops(false, 2).await;
     assert!(
-        ratio < 0.8,
-        "without fair share the quiet tenant still ran at {ratio:.2}x: the measurement cannot tell"
+        ended >= 1,
+        "without fair share the quiet burst still finished while both workers looped: the test cannot tell"
     );
 }
 
