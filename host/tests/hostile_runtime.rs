@@ -341,3 +341,43 @@ fn a_demoted_worker_hands_back_the_rest_of_its_job() {
         );
     }
 }
+
+/// Issue 15 item 4, fair share: a call sleeping in WASI longer than `demote_after` gives its
+/// worker's place to a fresh one, as a CPU-heavy call does, so a one-worker pool still serves
+/// other lanes while the sleeper waits out its (here: 60 s) timeout.
+#[test]
+fn a_sleeping_call_gives_its_worker_place_to_a_fresh_one() {
+    let rt = Runtime::new(RuntimeOptions {
+        demote_after: Some(Duration::from_millis(20)),
+        ..options(16, CallBudgets::default())
+    })
+    .expect("runtime starts");
+    let mut settings = HandlerSettings::new("sleeper");
+    settings.timeout = Duration::from_secs(60);
+    let v = load(&rt, settings);
+    let pool = WorkerPool::new(rt, 1).expect("pool starts");
+    let cancel = Arc::new(AtomicBool::new(false));
+    let async_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    async_rt.block_on(async {
+        let sleeper = pool.run_each(
+            vec![(v.clone(), message("hostile.sleep", Some("sleepy"), b"60000"))],
+            Some(cancel.clone()),
+        );
+        let other = async {
+            let outcomes = tokio::time::timeout(
+                Duration::from_secs(10),
+                pool.run_each(vec![(v.clone(), message("ok", Some("other"), b""))], None),
+            )
+            .await;
+            cancel.store(true, Ordering::Relaxed);
+            outcomes
+        };
+        let (slept, other) = tokio::join!(sleeper, other);
+        let other = other.expect("another lane's call ran while the only worker's call slept");
+        let (_, outcome) = other.expect("the pool answers").pop().expect("one outcome");
+        assert!(matches!(outcome, CallOutcome::Done { result: Ok(()), .. }), "{outcome:?}");
+        let (_, outcome) = slept.expect("the pool answers").pop().expect("one outcome");
+        assert_eq!(fault(outcome).kind, FaultKind::Cancelled);
+    });
+    assert_eq!(pool.demoted(), 1, "the sleeping call's worker was replaced");
+}

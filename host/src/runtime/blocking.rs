@@ -8,6 +8,9 @@
 //! and no longer than the cancel flag stays clear (checked every [`super::EPOCH_TICK`]); an
 //! interrupted wait traps the instance with [`Interruption::Timeout`] or
 //! [`Interruption::Cancelled`] recorded, which the executor reports as that fault.
+//! A wait longer than the runtime's `demote_after` also runs the worker's long-call hook,
+//! as a CPU-heavy call does: a sleeping call gives its place in the pool to a fresh worker
+//! instead of holding it until its timeout.
 //! The blocking stream methods (`blocking-read`, `blocking-write-and-flush`, …) are left to
 //! wasmtime-wasi: on stdio they never wait, and files answer at once; only a guest granted
 //! the network could wait in them.
@@ -40,8 +43,8 @@ pub(super) fn shadow_poll(linker: &mut Linker<HostState>) -> anyhow::Result<()> 
         "poll",
         |mut store: StoreContextMut<'_, HostState>, (list,): (Vec<Resource<DynPollable>>,)| {
             let state = store.data_mut();
-            let (deadline, cancel) = (state.deadline, state.cancel.clone());
-            let r = bounded(deadline, cancel, state.table.poll(list));
+            let (deadline, cancel, long) = (state.deadline, state.cancel.clone(), long_wait(state));
+            let r = bounded(deadline, cancel, long, state.table.poll(list));
             match r {
                 Ok(ready) => Ok((ready?,)),
                 Err(why) => Err(interrupt(state, why)),
@@ -54,8 +57,8 @@ pub(super) fn shadow_poll(linker: &mut Linker<HostState>) -> anyhow::Result<()> 
         "[method]pollable.block",
         |mut store: StoreContextMut<'_, HostState>, (p,): (Resource<DynPollable>,)| {
             let state = store.data_mut();
-            let (deadline, cancel) = (state.deadline, state.cancel.clone());
-            let r = bounded(deadline, cancel, state.table.block(p));
+            let (deadline, cancel, long) = (state.deadline, state.cancel.clone(), long_wait(state));
+            let r = bounded(deadline, cancel, long, state.table.block(p));
             match r {
                 Ok(done) => done,
                 Err(why) => Err(interrupt(state, why)),
@@ -67,6 +70,16 @@ pub(super) fn shadow_poll(linker: &mut Linker<HostState>) -> anyhow::Result<()> 
     linker.allow_shadowing(false);
     Ok(())
 }
+
+/// What to run if this wait outlives `demote_after`: the worker's long-call hook (which does
+/// its work once per thread, however often a call waits).
+fn long_wait(state: &mut HostState) -> Option<(std::time::Duration, LongCallHook)> {
+    let after = state.long_call?;
+    let hook = state.on_long_call.clone()?;
+    Some((after, hook))
+}
+
+type LongCallHook = Arc<dyn Fn() + Send + Sync>;
 
 fn interrupt(state: &mut HostState, why: Interruption) -> wasmtime::Error {
     state.interrupted = Some(why);
@@ -81,6 +94,7 @@ fn interrupt(state: &mut HostState, why: Interruption) -> wasmtime::Error {
 fn bounded<F: Future>(
     deadline: Option<Instant>,
     cancel: Option<Arc<AtomicBool>>,
+    long: Option<(std::time::Duration, LongCallHook)>,
     fut: F,
 ) -> Result<F::Output, Interruption> {
     let is_cancelled = |c: &Option<Arc<AtomicBool>>| c.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
@@ -104,11 +118,20 @@ fn bounded<F: Future>(
                 None => std::future::pending().await,
             }
         };
+        // Runs on this worker's thread (`in_tokio` blocks on it here), as the hook expects.
+        let demote = async {
+            if let Some((after, hook)) = long {
+                tokio::time::sleep(after).await;
+                hook();
+            }
+            std::future::pending::<()>().await;
+        };
         tokio::select! {
             biased;
             () = cancelled => Err(Interruption::Cancelled),
             () = timeout => Err(Interruption::Timeout),
             out = fut => Ok(out),
+            () = demote => Err(Interruption::Cancelled),
         }
     })
 }
