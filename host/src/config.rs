@@ -1503,6 +1503,40 @@ mod tests {
     }
 
     #[test]
+    fn node_budgets_and_instance_pool_parse_default_and_name_their_keys() {
+        let c = parse(&base(""), "weir.toml").unwrap();
+        assert_eq!(c.node.budgets, Budgets::default());
+        assert_eq!(c.node.budgets.to_runtime(), crate::runtime::CallBudgets::default());
+        assert_eq!(c.node.instance_pool, None);
+        let text = format!(
+            "[node]\ninstance_pool = 1024\n[node.budgets]\ncascade_bytes = \"1MiB\"\nlog_lines = 10\n{}",
+            base("")
+        );
+        let c = parse(&text, "weir.toml").unwrap();
+        assert_eq!(c.node.budgets.cascade_bytes, ByteSize(1 << 20));
+        assert_eq!(c.node.budgets.log_lines, 10);
+        assert_eq!(c.node.budgets.log_bytes, defaults::LOG_BYTES, "the others keep their defaults");
+        assert_eq!(c.node.instance_pool, Some(1024));
+        assert_one(
+            &format!("[node.budgets]\nlog_lines = 0\n{}", base("")),
+            "node.budgets.log_lines",
+            "positive",
+        );
+        assert_one(
+            &format!("[node.budgets]\nerror_bytes = 10\n{}", base("")),
+            "node.budgets.error_bytes",
+            "128B or more",
+        );
+        assert_one(
+            &format!("[node]\ninstance_pool = 100000\n{}", base("")),
+            "node.instance_pool",
+            "1 to 4096",
+        );
+        let err = parse(&format!("[node.budgets]\nlog_lnes = 1\n{}", base("")), "weir.toml").unwrap_err();
+        assert!(err.to_string().contains("log_lnes"), "{err}");
+    }
+
+    #[test]
     fn tenant_handlers_stay_within_their_tenant() {
         let tenant = "[[tenant]]\nname = \"acme\"\nlimits = { memory = \"32MiB\", timeout = \"2s\", fuel = 1000 }\n\
                       allow = { env = [\"REGION\"], dirs = [\"/srv/acme\"] }\n";
