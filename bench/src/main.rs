@@ -41,7 +41,8 @@
 //! on stderr. A scenario that fails (a broker down) is reported and the
 //! others still run; the exit status is then 1.
 //! `weir-bench polyglot` compares the orders handler in Rust, Python and
-//! JavaScript instead (see `polyglot.rs`).
+//! JavaScript instead (see `polyglot.rs`); `weir-bench hostile` a good tenant's
+//! throughput and the RSS next to each hostile guest of issue 15 (`hostile.rs`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,6 +59,7 @@ use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 
 mod charts;
+mod hostile;
 mod natsb;
 mod polyglot;
 mod rabbit;
@@ -1100,6 +1102,10 @@ fn main() -> anyhow::Result<()> {
     // `weir-bench polyglot ...`: the orders handler per language (bench/src/polyglot.rs).
     if std::env::args().nth(1).as_deref() == Some("polyglot") {
         return polyglot::main(std::env::args().skip(2));
+    }
+    // `weir-bench hostile ...`: a good tenant next to each hostile guest (bench/src/hostile.rs).
+    if std::env::args().nth(1).as_deref() == Some("hostile") {
+        return hostile::main(std::env::args().skip(2));
     }
     let o = parse_args()?;
     if let Some(which) = &o.rss_probe {

@@ -42,6 +42,21 @@ pub mod defaults {
     pub const INSTANCES: u32 = 16;
     /// `node.max_component_size`.
     pub const MAX_COMPONENT_SIZE: ByteSize = ByteSize(128 * 1024 * 1024);
+    /// `node.budgets.cascade_bytes`: what one call's held cascades may total.
+    pub const CASCADE_BYTES: ByteSize = ByteSize(8 * 1024 * 1024);
+    /// `node.budgets.log_bytes`: log (and granted stdio) bytes one call may write.
+    pub const LOG_BYTES: ByteSize = ByteSize(64 * 1024);
+    /// `node.budgets.log_lines`: log (and granted stdio) lines one call may write.
+    pub const LOG_LINES: u32 = 256;
+    /// `node.budgets.log_line_bytes`: longest log line kept whole.
+    pub const LOG_LINE_BYTES: ByteSize = ByteSize(4 * 1024);
+    /// `node.budgets.error_bytes`: longest failure text (`retry`/`reject` reason, trap detail).
+    pub const ERROR_BYTES: ByteSize = ByteSize(4 * 1024);
+    /// `node.instance_pool`: the least the computed pool size may be.
+    pub const INSTANCE_POOL_MIN: u32 = 256;
+    /// `node.instance_pool`: the most instances a pool may reserve room for (each reserves
+    /// address space for its memories; 4096 of them about 32 TiB of the 128 TiB there is).
+    pub const INSTANCE_POOL_MAX: u32 = 4096;
 
     /// `node.name`: the host name and the process id, `"{host}-{pid}"`.
     pub fn node_name() -> String {
@@ -56,6 +71,21 @@ pub mod defaults {
 
     pub(super) fn max_component_size() -> ByteSize {
         MAX_COMPONENT_SIZE
+    }
+    pub(super) fn cascade_bytes() -> ByteSize {
+        CASCADE_BYTES
+    }
+    pub(super) fn log_bytes() -> ByteSize {
+        LOG_BYTES
+    }
+    pub(super) fn log_lines() -> u32 {
+        LOG_LINES
+    }
+    pub(super) fn log_line_bytes() -> ByteSize {
+        LOG_LINE_BYTES
+    }
+    pub(super) fn error_bytes() -> ByteSize {
+        ERROR_BYTES
     }
     pub(super) fn prefetch() -> u32 {
         PREFETCH
@@ -142,6 +172,64 @@ pub struct Node {
     /// Largest component a deploy may upload, e.g. `"128MiB"`.
     #[serde(default = "defaults::max_component_size")]
     pub max_component_size: ByteSize,
+    /// Per-call budgets for what any guest hands the host (cascades, log, failure texts).
+    #[serde(default)]
+    pub budgets: Budgets,
+    /// Instances the pooling allocator keeps room for; absent: computed from the workers and
+    /// handlers (at least 256). Cached idle instances are evicted when the pool is full.
+    #[serde(default)]
+    pub instance_pool: Option<u32>,
+}
+
+/// `[node.budgets]`: per call, for every handler on the node. What is over a budget is
+/// refused (a cascade), dropped with a counter and one marker line (log), or cut with a
+/// marker (a long log line, a failure text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budgets {
+    /// Bytes one call's held cascades may total (payload, headers, type, group id); a
+    /// `publish` beyond it answers an error and the call is rejected unless it failed itself.
+    #[serde(default = "defaults::cascade_bytes")]
+    pub cascade_bytes: ByteSize,
+    /// Bytes one call may write to the host's log (`log` and granted stdout/stderr).
+    #[serde(default = "defaults::log_bytes")]
+    pub log_bytes: ByteSize,
+    /// Lines one call may write to the host's log.
+    #[serde(default = "defaults::log_lines")]
+    pub log_lines: u32,
+    /// Longest log line kept; longer ones are cut.
+    #[serde(default = "defaults::log_line_bytes")]
+    pub log_line_bytes: ByteSize,
+    /// Longest `retry`/`reject` reason or trap detail kept: cut to its first line, a marker
+    /// and the original length.
+    #[serde(default = "defaults::error_bytes")]
+    pub error_bytes: ByteSize,
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        Self {
+            cascade_bytes: defaults::CASCADE_BYTES,
+            log_bytes: defaults::LOG_BYTES,
+            log_lines: defaults::LOG_LINES,
+            log_line_bytes: defaults::LOG_LINE_BYTES,
+            error_bytes: defaults::ERROR_BYTES,
+        }
+    }
+}
+
+impl Budgets {
+    /// The runtime's form of these budgets.
+    pub fn to_runtime(&self) -> crate::runtime::CallBudgets {
+        let size = |b: ByteSize| usize::try_from(b.bytes()).unwrap_or(usize::MAX);
+        crate::runtime::CallBudgets {
+            cascade_bytes: size(self.cascade_bytes),
+            log_bytes: size(self.log_bytes),
+            log_lines: self.log_lines as usize,
+            log_line_bytes: size(self.log_line_bytes),
+            error_bytes: size(self.error_bytes),
+        }
+    }
 }
 
 impl Default for Node {
@@ -153,6 +241,8 @@ impl Default for Node {
             data_dir: None,
             components_dir: None,
             max_component_size: defaults::MAX_COMPONENT_SIZE,
+            budgets: Budgets::default(),
+            instance_pool: None,
         }
     }
 }
@@ -951,6 +1041,34 @@ impl Config {
                 "is empty; accepted: any non-empty name, unique in the cluster",
             );
         }
+        let b = &self.node.budgets;
+        for (key, value) in [
+            ("node.budgets.cascade_bytes", b.cascade_bytes.bytes()),
+            ("node.budgets.log_bytes", b.log_bytes.bytes()),
+            ("node.budgets.log_lines", u64::from(b.log_lines)),
+            ("node.budgets.log_line_bytes", b.log_line_bytes.bytes()),
+        ] {
+            if value == 0 {
+                errors.add(key, "is 0; accepted: a positive size or count (or remove it for the default)");
+            }
+        }
+        if b.error_bytes.bytes() < 128 {
+            errors.add(
+                "node.budgets.error_bytes",
+                format!(
+                    "{} is too small to keep a first line and the cut marker; accepted: 128B or more",
+                    b.error_bytes
+                ),
+            );
+        }
+        if let Some(n) = self.node.instance_pool
+            && !(1..=defaults::INSTANCE_POOL_MAX).contains(&n)
+        {
+            errors.add(
+                "node.instance_pool",
+                format!("{n} is out of range; accepted: 1 to {}", defaults::INSTANCE_POOL_MAX),
+            );
+        }
         let t = &self.transport;
         let kind = t.kind.as_str();
         match (t.kind, t.url.as_deref().map(str::trim)) {
@@ -1382,6 +1500,40 @@ mod tests {
             "[[topology]]\nname = \"orders\"\nslots = 4\n\n[[handler]]\nname = \"h\"\n\
              component = \"h.wasm\"\ntopology = \"orders\"\nmessage_types = [\"a\"]\n{extra}"
         )
+    }
+
+    #[test]
+    fn node_budgets_and_instance_pool_parse_default_and_name_their_keys() {
+        let c = parse(&base(""), "weir.toml").unwrap();
+        assert_eq!(c.node.budgets, Budgets::default());
+        assert_eq!(c.node.budgets.to_runtime(), crate::runtime::CallBudgets::default());
+        assert_eq!(c.node.instance_pool, None);
+        let text = format!(
+            "[node]\ninstance_pool = 1024\n[node.budgets]\ncascade_bytes = \"1MiB\"\nlog_lines = 10\n{}",
+            base("")
+        );
+        let c = parse(&text, "weir.toml").unwrap();
+        assert_eq!(c.node.budgets.cascade_bytes, ByteSize(1 << 20));
+        assert_eq!(c.node.budgets.log_lines, 10);
+        assert_eq!(c.node.budgets.log_bytes, defaults::LOG_BYTES, "the others keep their defaults");
+        assert_eq!(c.node.instance_pool, Some(1024));
+        assert_one(
+            &format!("[node.budgets]\nlog_lines = 0\n{}", base("")),
+            "node.budgets.log_lines",
+            "positive",
+        );
+        assert_one(
+            &format!("[node.budgets]\nerror_bytes = 10\n{}", base("")),
+            "node.budgets.error_bytes",
+            "128B or more",
+        );
+        assert_one(
+            &format!("[node]\ninstance_pool = 100000\n{}", base("")),
+            "node.instance_pool",
+            "1 to 4096",
+        );
+        let err = parse(&format!("[node.budgets]\nlog_lnes = 1\n{}", base("")), "weir.toml").unwrap_err();
+        assert!(err.to_string().contains("log_lnes"), "{err}");
     }
 
     #[test]

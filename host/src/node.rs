@@ -210,6 +210,13 @@ impl Node {
         if rt_opts.cache_dir.is_none() {
             rt_opts.cache_dir = config.node.data_dir.as_ref().map(|d| d.join("cache"));
         }
+        rt_opts.budgets = config.node.budgets.to_runtime();
+        rt_opts.pool_instances = match config.node.instance_pool {
+            Some(n) => n,
+            None => rt_opts
+                .pool_instances
+                .max(crate::runtime::pool_size_for(opts.workers, config.handler.len())),
+        };
         let runtime = match opts.call_observer.clone() {
             Some(o) => Runtime::with_observer(rt_opts, o)?,
             None => Runtime::new(rt_opts)?,

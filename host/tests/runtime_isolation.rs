@@ -162,50 +162,43 @@ fn load_refuses_a_memory_limit_above_the_nodes() {
     );
 }
 
-/// With a pool of one instance, whoever holds the instance blocks every other
-/// executor: that makes "was the instance kept or dropped" observable.
+/// Whether an instance was kept or dropped is observable in the pooling
+/// allocator's count of live instances.
 #[test]
 fn reuse_mode_discards_a_trapped_instance() {
-    let rt = runtime(1);
+    let rt = runtime(8);
+    let live = rt.engine().pooling_allocator_metrics().unwrap();
     let v = load(&rt, HandlerSettings::new("reused"));
-    let (mut a, mut b) = (Executor::new(rt.clone()), Executor::new(rt));
+    let mut a = Executor::new(rt.clone());
 
     assert!(answer(&mut a, &v, "ok", "").is_ok());
-    // `a` keeps its instance: the pool is full for `b`.
-    let f = fault(b.call(&v, &message("ok", None, b""), &None));
-    assert_eq!(
-        f.kind,
-        FaultKind::Instantiate,
-        "control: a kept instance holds the only pool slot: {f}"
-    );
-
+    assert_eq!(live.component_instances(), 1, "control: the instance is kept after a call");
     let f = fault(a.call(&v, &message("trap", None, b""), &None));
     assert_eq!(f.kind, FaultKind::Trap, "{f}");
-    // The trapped instance is gone: `b` gets the slot, and `a` works again once `b` lets go.
-    assert!(
-        answer(&mut b, &v, "ok", "").is_ok(),
-        "the trapped instance was discarded"
-    );
-    drop(b);
+    assert_eq!(live.component_instances(), 0, "the trapped instance was discarded");
     assert!(answer(&mut a, &v, "ok", "").is_ok(), "the next call after a trap works");
     assert!(answer(&mut a, &v, "ok", "").is_ok());
+    assert_eq!(live.component_instances(), 1, "and its instance is kept again");
 }
 
 #[test]
 fn fresh_mode_never_keeps_an_instance() {
-    let rt = runtime(1);
+    let rt = runtime(8);
+    let live = rt.engine().pooling_allocator_metrics().unwrap();
     let mut settings = HandlerSettings::new("fresh");
     settings.instance_mode = InstanceMode::Fresh;
     let v = load(&rt, settings);
     let (mut a, mut b) = (Executor::new(rt.clone()), Executor::new(rt));
     assert!(answer(&mut a, &v, "ok", "").is_ok());
-    assert!(answer(&mut b, &v, "ok", "").is_ok(), "nothing kept after a call");
+    assert_eq!(live.component_instances(), 0, "nothing kept after a call");
+    assert!(answer(&mut b, &v, "ok", "").is_ok());
     assert_eq!(
         fault(a.call(&v, &message("trap", None, b""), &None)).kind,
         FaultKind::Trap
     );
     assert!(answer(&mut b, &v, "ok", "").is_ok());
     assert!(answer(&mut a, &v, "ok", "").is_ok(), "the next call after a trap works");
+    assert_eq!(live.component_instances(), 0);
 }
 
 #[test]

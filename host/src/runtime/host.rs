@@ -13,7 +13,8 @@ use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use super::HandlerSettings;
+use super::stdio::CallLog;
+use super::{CallBudgets, HandlerSettings};
 use super::bindings::weir::handler::host::Host;
 use super::bindings::weir::handler::types::{Host as TypesHost, Level};
 use crate::envelope::{self, Envelope};
@@ -35,7 +36,7 @@ pub(crate) struct CallContext {
 /// The data of one wasmtime `Store`.
 pub struct HostState {
     wasi: WasiCtx,
-    table: ResourceTable,
+    pub(super) table: ResourceTable,
     limiter: Limiter,
     pub(crate) settings: Arc<HandlerSettings>,
     pub(crate) outbox: Vec<Outgoing>,
@@ -56,6 +57,14 @@ pub struct HostState {
     pub(crate) cpu_mark: Option<std::time::Duration>,
     /// What a worker does about a long call (demote itself, send a replacement).
     pub(crate) on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// The node's per-call budgets.
+    pub(crate) budgets: CallBudgets,
+    /// Log lines and bytes of the current call (shared with granted stdio).
+    pub(crate) log: Arc<CallLog>,
+    /// Bytes the current call's outbox holds.
+    pub(crate) cascade_bytes: usize,
+    /// Set when a `publish` of the current call was refused for the cascade byte budget.
+    pub(crate) cascade_refused: Option<String>,
 }
 
 /// Why the host stopped a running call.
@@ -68,14 +77,20 @@ pub enum Interruption {
 }
 
 impl HostState {
-    pub(crate) fn new(settings: Arc<HandlerSettings>) -> Self {
+    pub(crate) fn new(settings: Arc<HandlerSettings>, budgets: CallBudgets) -> Self {
         let mut wasi = WasiCtx::builder();
         settings.wasi.apply(&mut wasi);
-        let stdio = (!settings.wasi.inherit_stdio).then(|| {
+        let log = Arc::new(CallLog::new(&budgets));
+        let stdio = if settings.wasi.inherit_stdio {
+            // The host's stdout and stderr, within the call's log budget.
+            wasi.stdout(super::stdio::BudgetedStdio::new(log.clone(), false))
+                .stderr(super::stdio::BudgetedStdio::new(log.clone(), true));
+            None
+        } else {
             let tail = super::stdio::TailPipe::new(4096);
             wasi.stdout(tail.clone()).stderr(tail.clone());
-            tail
-        });
+            Some(tail)
+        };
         Self {
             wasi: wasi.build(),
             table: ResourceTable::new(),
@@ -90,6 +105,10 @@ impl HostState {
             long_call: None,
             cpu_mark: None,
             on_long_call: None,
+            budgets,
+            log,
+            cascade_bytes: 0,
+            cascade_refused: None,
         }
     }
 
@@ -158,7 +177,20 @@ impl WasiView for HostState {
 impl TypesHost for HostState {}
 
 impl Host for HostState {
-    fn log(&mut self, level: Level, text: String) -> wasmtime::Result<()> {
+    fn log(&mut self, level: Level, mut text: String) -> wasmtime::Result<()> {
+        // Over the call's budget: dropped (counted; one marker line at the call's end).
+        let Some(keep) = self.log.admit_line(text.len()) else {
+            return Ok(());
+        };
+        if keep < text.len() {
+            let len = text.len();
+            let mut keep = keep;
+            while !text.is_char_boundary(keep) {
+                keep -= 1;
+            }
+            text.truncate(keep);
+            text.push_str(&format!(" [cut by weir: {len} bytes]"));
+        }
         let handler = self.settings.name.as_str();
         let message = self.call.message_id.as_str();
         match level {
@@ -193,6 +225,27 @@ impl Host for HostState {
         {
             return Ok(Err(format!("publish: header `{k}` is set by the host")));
         }
+        if let Some(why) = &self.cascade_refused {
+            return Ok(Err(why.clone()));
+        }
+        let size = message_type.len()
+            + group_id.as_ref().map_or(0, String::len)
+            + headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+            + payload.len();
+        let held = self.cascade_bytes.saturating_add(size);
+        if held > self.budgets.cascade_bytes {
+            let why = format!(
+                "publish: this call's cascades would hold {held} bytes, over the limit of {} \
+                 (node.budgets.cascade_bytes); none of this call's publishes will be sent",
+                self.budgets.cascade_bytes
+            );
+            // Release what the call holds now, not when it ends.
+            self.outbox = Vec::new();
+            self.cascade_refused = Some(why.clone());
+            self.settings.budget.cascades_refused.fetch_add(1, Ordering::Relaxed);
+            return Ok(Err(why));
+        }
+        self.cascade_bytes = held;
         let id = envelope::cascade_id(&self.call.message_id, self.outbox.len());
         let envelope = envelope::new_message(
             id,

@@ -7,6 +7,7 @@
 //! Routing, lanes and settlement are left to others.
 
 pub mod bindings;
+mod blocking;
 mod host;
 pub mod pool;
 pub mod stdio;
@@ -36,6 +37,28 @@ pub const EPOCH_TICK: Duration = Duration::from_millis(5);
 /// stopped by it, only moved behind the short ones for the rest of its run.
 pub const DEMOTE_AFTER: Duration = Duration::from_millis(20);
 
+/// Instances one worker keeps cached at most (its least recently used one goes first).
+pub const CACHED_PER_WORKER: usize = 8;
+
+/// The pool size a node with `workers` worker threads (0: one per core) and `handlers`
+/// handlers needs so that no call waits for an instance: every worker's cache full, one
+/// instance in use each, as many again for demoted workers finishing long calls; at least
+/// [`crate::config::defaults::INSTANCE_POOL_MIN`], at most `INSTANCE_POOL_MAX`. Beyond that,
+/// cached instances are evicted (see [`Executor`]).
+pub fn pool_size_for(workers: usize, handlers: usize) -> u32 {
+    use crate::config::defaults::{INSTANCE_POOL_MAX, INSTANCE_POOL_MIN};
+    let workers = if workers == 0 {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)
+    } else {
+        workers
+    };
+    let per_worker = handlers.clamp(1, CACHED_PER_WORKER) + 1;
+    let want = workers.saturating_mul(2).saturating_mul(per_worker);
+    u32::try_from(want)
+        .unwrap_or(u32::MAX)
+        .clamp(INSTANCE_POOL_MIN, INSTANCE_POOL_MAX)
+}
+
 /// Process-wide runtime options.
 #[derive(Debug, Clone)]
 pub struct RuntimeOptions {
@@ -54,6 +77,71 @@ pub struct RuntimeOptions {
     /// A call that burns more CPU than this loses its worker's normal CPU priority for the
     /// rest of the call, and a fresh worker takes its place (`None`: never).
     pub demote_after: Option<Duration>,
+    /// What one call may produce besides its answer: cascade bytes, log, error text.
+    pub budgets: CallBudgets,
+}
+
+/// Per-call budgets for what a guest hands the host (`[node.budgets]`; defaults in
+/// [`crate::config::defaults`]). What is over a budget is refused or cut at the runtime seam,
+/// so a hostile guest cannot make the host hold or write unbounded bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallBudgets {
+    /// Bytes of cascaded messages one call may hold (payloads, headers, types, group ids).
+    /// A `publish` beyond it is refused and everything the call published is dropped at once.
+    pub cascade_bytes: usize,
+    /// Bytes the guest may write to the host's log in one call (`log` and granted stdio).
+    pub log_bytes: usize,
+    /// Lines the guest may write to the host's log in one call.
+    pub log_lines: usize,
+    /// Longest log line kept; a longer one is cut with a marker.
+    pub log_line_bytes: usize,
+    /// Longest failure text kept (a `retry`/`reject` reason, a trap's detail).
+    pub error_bytes: usize,
+}
+
+impl Default for CallBudgets {
+    fn default() -> Self {
+        use crate::config::defaults;
+        let size = |b: crate::config::ByteSize| usize::try_from(b.bytes()).unwrap_or(usize::MAX);
+        Self {
+            cascade_bytes: size(defaults::CASCADE_BYTES),
+            log_bytes: size(defaults::LOG_BYTES),
+            log_lines: defaults::LOG_LINES as usize,
+            log_line_bytes: size(defaults::LOG_LINE_BYTES),
+            error_bytes: size(defaults::ERROR_BYTES),
+        }
+    }
+}
+
+/// Cut `text` to at most `budget` bytes when it is longer: its first line (as much of it as
+/// fits), then a marker with the original length. Shorter texts are left alone.
+pub fn cut_text(text: &mut String, budget: usize) {
+    if text.len() <= budget {
+        return;
+    }
+    let marker = format!(" [cut by weir: {} bytes, limit {budget}]", text.len());
+    let first = text.lines().next().unwrap_or_default();
+    let mut keep = first.len().min(budget.saturating_sub(marker.len()));
+    while !first.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let mut out = String::with_capacity(keep + marker.len());
+    out.push_str(&first[..keep]);
+    out.push_str(&marker);
+    *text = out;
+}
+
+/// Counters of what the per-call budgets refused or cut, for one handler.
+#[derive(Debug, Default)]
+pub struct BudgetCounters {
+    /// Log lines (and stdio lines) dropped over a call's budget.
+    pub log_lines_dropped: AtomicU64,
+    /// Log bytes dropped over a call's budget (cut parts of long lines included).
+    pub log_bytes_dropped: AtomicU64,
+    /// `publish` calls refused for the cascade byte budget.
+    pub cascades_refused: AtomicU64,
+    /// Failure texts cut to `error_bytes`.
+    pub errors_cut: AtomicU64,
 }
 
 impl Default for RuntimeOptions {
@@ -65,6 +153,7 @@ impl Default for RuntimeOptions {
             cache_dir: None,
             fuel: false,
             demote_after: Some(DEMOTE_AFTER),
+            budgets: CallBudgets::default(),
         }
     }
 }
@@ -108,9 +197,8 @@ impl WasiGrants {
         for (k, v) in &self.env {
             b.env(k, v);
         }
-        if self.inherit_stdio {
-            b.inherit_stdout().inherit_stderr();
-        }
+        // `inherit_stdio` is applied by `HostState::new`: the host's streams within the
+        // call's log budget.
         for p in &self.preopens {
             let perms = if p.read_only {
                 wasmtime_wasi::FsPerms::ReadOnly
@@ -160,6 +248,8 @@ pub struct HandlerSettings {
     pub fuel: Option<u64>,
     /// Outcomes, call durations and calls in flight, shared by the handler's versions.
     pub metrics: Arc<crate::stats::HandlerMetrics>,
+    /// What the per-call budgets refused or cut for this handler.
+    pub budget: Arc<BudgetCounters>,
 }
 
 /// A tenant's share of the node: calls of all its handlers at once.
@@ -187,6 +277,7 @@ impl HandlerSettings {
             tenant: None,
             fuel: None,
             metrics: Arc::default(),
+            budget: Arc::default(),
         }
     }
 }
@@ -295,6 +386,8 @@ pub struct Runtime {
     options: RuntimeOptions,
     observer: Option<Arc<dyn CallObserver>>,
     ticker_stop: Arc<AtomicBool>,
+    /// Every executor's instance cache, so a full pool can evict idle instances anywhere.
+    caches: parking_lot::Mutex<Vec<std::sync::Weak<parking_lot::Mutex<CacheMap>>>>,
 }
 
 impl Drop for Runtime {
@@ -343,6 +436,7 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(anyhow::Error::from)
             .context("linking WASI")?;
+        blocking::shadow_poll(&mut linker)?;
         Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(anyhow::Error::from)
             .context("linking weir:handler/host")?;
@@ -364,6 +458,7 @@ impl Runtime {
             options,
             observer: None,
             ticker_stop,
+            caches: parking_lot::Mutex::new(Vec::new()),
         }))
     }
 
@@ -439,7 +534,7 @@ impl Runtime {
         };
         // Instantiate once now, so a component that traps in its start
         // function or needs more memory than allowed is refused at load.
-        let mut probe = Instance::new(&self.engine, &version, self.options.fuel)
+        let mut probe = Instance::new(&self.engine, &version, &self.options)
             .with_context(|| format!("{origin}: instantiating handler `{}`", version.name()))?;
         drop(probe.store.data_mut().outbox.drain(..));
         Ok(Arc::new(version))
@@ -546,9 +641,9 @@ struct Instance {
 }
 
 impl Instance {
-    fn new(engine: &Engine, version: &HandlerVersion, fuel: bool) -> anyhow::Result<Self> {
-        let mut store = Store::new(engine, HostState::new(version.settings.clone()));
-        if fuel {
+    fn new(engine: &Engine, version: &HandlerVersion, options: &RuntimeOptions) -> anyhow::Result<Self> {
+        let mut store = Store::new(engine, HostState::new(version.settings.clone(), options.budgets));
+        if options.fuel {
             // Instantiation (start functions) is metered like a call.
             store
                 .set_fuel(version.settings.fuel.unwrap_or(u64::MAX))
@@ -578,14 +673,41 @@ impl ShouldInterrupt for wasmtime::StoreContextMut<'_, HostState> {
     }
 }
 
-/// Calls guests on the current thread, keeping reusable instances.
-/// One per worker thread; not shared.
+/// One executor's cached instances by version id (ids are unique: no hashing needed).
+type CacheMap = HashMap<u64, Cached, nohash_hasher::BuildNoHashHasher<u64>>;
+
+/// An idle instance kept for the next call of its version.
+struct Cached {
+    version: Arc<HandlerVersion>,
+    inst: Instance,
+    /// The executor's call counter when it was last used (least recently used goes first).
+    used: u64,
+}
+
+/// Whether instantiation failed only because the pool has no free slot.
+fn pool_exhausted(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>())
+        || format!("{e:#}").contains("maximum concurrent")
+}
+
+/// Remove the least recently used instance of `cache`; false when it is empty.
+fn evict_lru(cache: &mut CacheMap) -> Option<Cached> {
+    let key = cache.iter().min_by_key(|(_, c)| c.used).map(|(k, _)| *k)?;
+    cache.remove(&key)
+}
+
+/// Calls guests on the current thread, keeping reusable instances (at most
+/// [`CACHED_PER_WORKER`]). One per worker thread; not shared. When the pool
+/// has no free slot, idle cached instances are evicted, this executor's first,
+/// then other executors'; a call never fails because the pool is full.
 pub struct Executor {
     runtime: Arc<Runtime>,
     /// Run on the worker's own thread when a call outlives `demote_after`.
     on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
-    /// Reusable instances by version id (ids are unique: no hashing needed).
-    cache: HashMap<u64, (Arc<HandlerVersion>, Instance), nohash_hasher::BuildNoHashHasher<u64>>,
+    /// Reusable instances; shared with the runtime only so others can evict from it.
+    cache: Arc<parking_lot::Mutex<CacheMap>>,
+    /// Calls made, the clock of the least-recently-used order.
+    calls: u64,
     /// [`RETIREMENTS`] when the cache was last swept of retired versions.
     swept: u64,
 }
@@ -593,10 +715,17 @@ pub struct Executor {
 impl Executor {
     /// An executor with an empty instance cache.
     pub fn new(runtime: Arc<Runtime>) -> Self {
+        let cache = Arc::new(parking_lot::Mutex::new(CacheMap::default()));
+        {
+            let mut caches = runtime.caches.lock();
+            caches.retain(|w| w.strong_count() > 0);
+            caches.push(Arc::downgrade(&cache));
+        }
         Self {
             runtime,
             on_long_call: None,
-            cache: HashMap::default(),
+            cache,
+            calls: 0,
             swept: 0,
         }
     }
@@ -607,28 +736,89 @@ impl Executor {
         self.on_long_call = Some(hook);
     }
 
-    fn instance(&mut self, version: &Arc<HandlerVersion>) -> Result<Instance, Fault> {
-        if version.settings.instance_mode == InstanceMode::Reuse
-            && let Some((_, inst)) = self.cache.remove(&version.id)
-        {
-            return Ok(inst);
+    /// Free one idle instance, this executor's least recently used first, then any other
+    /// executor's (skipping one whose cache is locked this instant); false when none is idle.
+    fn evict_one(&self) -> bool {
+        let evicted = evict_lru(&mut self.cache.lock());
+        if evicted.is_some() {
+            return true;
         }
-        Instance::new(&self.runtime.engine, version, self.runtime.options.fuel).map_err(|e| Fault {
-            kind: FaultKind::Instantiate,
-            detail: format!("{e:#}"),
-        })
+        let others: Vec<_> = self.runtime.caches.lock().iter().filter_map(std::sync::Weak::upgrade).collect();
+        for other in others.iter().filter(|c| !Arc::ptr_eq(c, &self.cache)) {
+            let evicted = other.try_lock().and_then(|mut c| evict_lru(&mut c));
+            if evicted.is_some() {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn instance(&mut self, version: &Arc<HandlerVersion>, cancel: &Option<Arc<AtomicBool>>) -> Result<Instance, Fault> {
+        if version.settings.instance_mode == InstanceMode::Reuse
+            && let Some(c) = self.cache.lock().remove(&version.id)
+        {
+            return Ok(c.inst);
+        }
+        let give_up = Instant::now() + version.settings.timeout;
+        loop {
+            let e = match Instance::new(&self.runtime.engine, version, &self.runtime.options) {
+                Ok(inst) => return Ok(inst),
+                Err(e) => e,
+            };
+            if !pool_exhausted(&e) {
+                return Err(Fault {
+                    kind: FaultKind::Instantiate,
+                    detail: format!("{e:#}"),
+                });
+            }
+            if self.evict_one() {
+                continue;
+            }
+            // Every instance is in a running call: wait for one to end, as long as a call
+            // of this handler may run. Then the message goes back unharmed: the node's pool
+            // is full, which is no fault of the guest's.
+            let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+            if cancelled || Instant::now() >= give_up {
+                tracing::warn!(
+                    handler = version.name(),
+                    pool = self.runtime.options.pool_instances,
+                    "no free instance in the pool (node.instance_pool): every one is in a running call; \
+                     the message is released for redelivery"
+                );
+                return Err(Fault {
+                    kind: FaultKind::Cancelled,
+                    detail: format!(
+                        "no free instance: all {} of the pool (node.instance_pool) are in running calls",
+                        self.runtime.options.pool_instances
+                    ),
+                });
+            }
+            std::thread::sleep(EPOCH_TICK);
+        }
     }
 
     fn keep(&mut self, version: &Arc<HandlerVersion>, inst: Instance) {
+        self.calls += 1;
+        let mut cache = self.cache.lock();
         if version.settings.instance_mode == InstanceMode::Reuse && !version.is_retired() {
-            self.cache.insert(version.id, (version.clone(), inst));
+            cache.insert(
+                version.id,
+                Cached {
+                    version: version.clone(),
+                    inst,
+                    used: self.calls,
+                },
+            );
         }
         // After a swap, free the old version's instances (a Python guest's
         // is tens of MiB) instead of keeping them until the cache fills.
         let retirements = RETIREMENTS.load(Ordering::Acquire);
-        if retirements != self.swept || self.cache.len() > 8 {
+        if retirements != self.swept {
             self.swept = retirements;
-            self.cache.retain(|_, (v, _)| !v.is_retired());
+            cache.retain(|_, c| !c.version.is_retired());
+        }
+        while cache.len() > CACHED_PER_WORKER {
+            drop(evict_lru(&mut cache));
         }
     }
 
@@ -654,6 +844,39 @@ impl Executor {
         data.call.message_id.clone_from(&msg.id);
         data.call.tenant_id.clone_from(&msg.tenant_id);
         data.outbox.clear();
+        data.cascade_bytes = 0;
+        data.cascade_refused = None;
+        data.log.reset();
+    }
+
+    /// After every call, answered or not: one marker line for the log it dropped.
+    fn finish(inst: &mut Instance) {
+        let data = inst.store.data_mut();
+        let (lines, bytes) = data.log.reset();
+        if lines > 0 || bytes > 0 {
+            let counters = &data.settings.budget;
+            counters.log_lines_dropped.fetch_add(lines, Ordering::Relaxed);
+            counters.log_bytes_dropped.fetch_add(bytes, Ordering::Relaxed);
+            tracing::warn!(
+                handler = data.settings.name.as_str(),
+                message = data.call.message_id.as_str(),
+                dropped_lines = lines,
+                dropped_bytes = bytes,
+                log_bytes = data.budgets.log_bytes,
+                log_lines = data.budgets.log_lines,
+                "guest log over its per-call budget (node.budgets): the rest of this call's log was dropped or cut"
+            );
+        }
+    }
+
+    /// A failure text cut to the error budget, counted when cut.
+    fn cut_failure(&self, settings: &HandlerSettings, failure: &mut Failure) {
+        let budget = self.runtime.options.budgets.error_bytes;
+        let (Failure::Retry(text) | Failure::Reject(text)) = failure;
+        if text.len() > budget {
+            cut_text(text, budget);
+            settings.budget.errors_cut.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     fn fault(inst: &mut Instance, err: wasmtime::Error) -> Fault {
@@ -675,12 +898,22 @@ impl Executor {
                 "ran out of fuel (limit {} per call)",
                 data.settings.fuel.unwrap_or(u64::MAX)
             ),
-            _ => format!("{err:#}"),
+            // The cause on the first line (what survives a cut), the backtrace after.
+            _ => err.root_cause().to_string().lines().next().unwrap_or_default().to_owned(),
         };
         // The guest's last words (a panic message) say more than the trap.
         if let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(512)) {
             detail.push_str("; guest output: ");
             detail.push_str(&words);
+        }
+        if kind == FaultKind::Trap && err.downcast_ref::<Trap>().is_none_or(|t| *t != Trap::StackOverflow) {
+            detail.push('\n');
+            detail.push_str(&format!("{err:#}"));
+        }
+        let budget = data.budgets.error_bytes;
+        if detail.len() > budget {
+            cut_text(&mut detail, budget);
+            data.settings.budget.errors_cut.fetch_add(1, Ordering::Relaxed);
         }
         Fault { kind, detail }
     }
@@ -692,7 +925,7 @@ impl Executor {
         msg: &Envelope,
         cancel: &Option<Arc<AtomicBool>>,
     ) -> CallOutcome {
-        let mut inst = match self.instance(version) {
+        let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
             Err(f) => return CallOutcome::Fault(f),
         };
@@ -709,12 +942,21 @@ impl Executor {
         if let Some(o) = &self.runtime.observer {
             o.after(msg);
         }
+        Self::finish(&mut inst);
         match r {
-            Ok(result) => {
-                let published = match result {
-                    Ok(()) => std::mem::take(&mut inst.store.data_mut().outbox),
-                    Err(_) => Vec::new(),
-                };
+            Ok(mut result) => {
+                let data = inst.store.data_mut();
+                // A call whose publish was refused for the cascade byte budget is rejected
+                // unless it failed by itself: the host never sends part of a call's cascades,
+                // and a retry would publish the same bytes again.
+                if let (Ok(()), Some(why)) = (&result, data.cascade_refused.take()) {
+                    result = Err(Failure::Reject(why));
+                }
+                let outbox = std::mem::take(&mut data.outbox);
+                let published = if result.is_ok() { outbox } else { Vec::new() };
+                if let Err(f) = &mut result {
+                    self.cut_failure(&version.settings, f);
+                }
                 self.keep(version, inst);
                 CallOutcome::Done { result, published }
             }
@@ -736,7 +978,7 @@ impl Executor {
                 published: Vec::new(),
             };
         };
-        let mut inst = match self.instance(version) {
+        let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
             Err(f) => return BatchOutcome::Fault(f),
         };
@@ -755,9 +997,23 @@ impl Executor {
         if let Some(o) = &self.runtime.observer {
             o.after_batch(batch);
         }
+        Self::finish(&mut inst);
         match r {
-            Ok(results) if results.len() == batch.len() => {
+            // Over the cascade byte budget: the members are replayed one by one, so the
+            // budget lands on the member that exceeds it.
+            Ok(_) if inst.store.data().cascade_refused.is_some() => {
+                let detail = inst.store.data_mut().cascade_refused.take().unwrap_or_default();
+                self.keep(version, inst);
+                BatchOutcome::Fault(Fault {
+                    kind: FaultKind::Trap,
+                    detail,
+                })
+            }
+            Ok(mut results) if results.len() == batch.len() => {
                 let published = std::mem::take(&mut inst.store.data_mut().outbox);
+                for f in results.iter_mut().filter_map(|r| r.as_mut().err()) {
+                    self.cut_failure(&version.settings, f);
+                }
                 self.keep(version, inst);
                 BatchOutcome::Done { results, published }
             }

@@ -18,6 +18,8 @@ pub enum Job {
     Each {
         /// (handler, message) in lane order.
         items: Vec<(Arc<HandlerVersion>, Envelope)>,
+        /// Outcomes of the job's first items, when a demoted worker handed the rest back.
+        done: Vec<(Envelope, CallOutcome)>,
         /// Set to interrupt the running call.
         cancel: Option<Arc<AtomicBool>>,
         /// Messages come back with their outcomes, same order.
@@ -39,6 +41,8 @@ pub enum Job {
     Batches {
         /// (handler, members) per call.
         calls: Vec<(Arc<HandlerVersion>, Vec<Envelope>)>,
+        /// Outcomes of the job's first calls, when a demoted worker handed the rest back.
+        done: Vec<(Vec<Envelope>, BatchOutcome)>,
         /// Set to interrupt the running call.
         cancel: Option<Arc<AtomicBool>>,
         /// Each batch's members with its outcome, same order.
@@ -54,6 +58,8 @@ pub enum Job {
 /// demoted thread exits when the call ends. So the pool always has its full
 /// number of workers at normal priority for everyone else, while the long
 /// call still gets whatever CPU is left over until its timeout ends it.
+/// The rest of the demoted worker's job (calls not yet started, of other
+/// lanes too) is handed back to the queue for a worker at normal priority.
 pub struct WorkerPool {
     tx: Option<crossbeam_channel::Sender<Job>>,
     shared: Arc<Shared>,
@@ -66,6 +72,9 @@ struct Shared {
     threads: parking_lot::Mutex<Vec<std::thread::JoinHandle<()>>>,
     spawned: std::sync::atomic::AtomicUsize,
     demoted: std::sync::atomic::AtomicU64,
+    /// Where a demoted worker hands back the unstarted rest of its job (`None` once the
+    /// pool is dropped: the demoted worker then finishes the job itself).
+    handback: parking_lot::Mutex<Option<crossbeam_channel::Sender<Job>>>,
 }
 
 thread_local! {
@@ -106,7 +115,7 @@ impl Shared {
             demote_current_thread();
         }));
         while let Ok(job) = self.rx.recv() {
-            run(&mut exec, job);
+            run(&mut exec, job, &self);
             if DEMOTED.get() {
                 // A replacement runs at normal priority already.
                 break;
@@ -145,6 +154,7 @@ impl WorkerPool {
             threads: parking_lot::Mutex::new(Vec::with_capacity(workers)),
             spawned: std::sync::atomic::AtomicUsize::new(0),
             demoted: std::sync::atomic::AtomicU64::new(0),
+            handback: parking_lot::Mutex::new(Some(tx.clone())),
         });
         for _ in 0..workers {
             shared.spawn_worker()?;
@@ -184,7 +194,12 @@ impl WorkerPool {
         cancel: Option<Arc<AtomicBool>>,
     ) -> anyhow::Result<Vec<(Envelope, CallOutcome)>> {
         let (reply, rx) = oneshot::channel();
-        self.submit(Job::Each { items, cancel, reply });
+        self.submit(Job::Each {
+            items,
+            done: Vec::new(),
+            cancel,
+            reply,
+        });
         rx.await.context("worker pool stopped during a call")
     }
 
@@ -214,23 +229,60 @@ impl WorkerPool {
         cancel: Option<Arc<AtomicBool>>,
     ) -> anyhow::Result<Vec<(Vec<Envelope>, BatchOutcome)>> {
         let (reply, rx) = oneshot::channel();
-        self.submit(Job::Batches { calls, cancel, reply });
+        self.submit(Job::Batches {
+            calls,
+            done: Vec::new(),
+            cancel,
+            reply,
+        });
         rx.await.context("worker pool stopped during a call")
     }
 }
 
-fn run(exec: &mut Executor, job: Job) {
+/// Whether this worker was demoted during the job and the pool can take the rest back.
+fn hand_back(shared: &Shared) -> Option<crossbeam_channel::Sender<Job>> {
+    if DEMOTED.get() {
+        shared.handback.lock().clone()
+    } else {
+        None
+    }
+}
+
+#[allow(
+    clippy::while_let_on_iterator,
+    reason = "the rest of the iterator is handed back from inside the loop"
+)]
+fn run(exec: &mut Executor, job: Job, shared: &Shared) {
     match job {
-        Job::Each { items, cancel, reply } => {
-            let out = items
-                .into_iter()
-                .map(|(h, msg)| {
-                    let outcome = exec.call(&h, &msg, &cancel);
-                    (msg, outcome)
-                })
-                .collect();
+        Job::Each {
+            items,
+            mut done,
+            cancel,
+            reply,
+        } => {
+            let mut items = items.into_iter();
+            while let Some((h, msg)) = items.next() {
+                let outcome = exec.call(&h, &msg, &cancel);
+                done.push((msg, outcome));
+                // Demoted during that call: the calls not started yet go back to the queue
+                // for a worker at normal priority, in order, with what is done so far.
+                if !items.as_slice().is_empty()
+                    && let Some(tx) = hand_back(shared)
+                {
+                    let rest = Job::Each {
+                        items: items.collect(),
+                        done,
+                        cancel,
+                        reply,
+                    };
+                    if let Err(crossbeam_channel::SendError(rest)) = tx.send(rest) {
+                        run_here(exec, rest);
+                    }
+                    return;
+                }
+            }
             // The receiver may have gone (shutdown): nothing to settle then.
-            let _ = reply.send(out);
+            let _ = reply.send(done);
         }
         Job::Batch {
             handler,
@@ -241,22 +293,53 @@ fn run(exec: &mut Executor, job: Job) {
             let outcome = exec.call_batch(&handler, &batch, &cancel);
             let _ = reply.send((batch, outcome));
         }
-        Job::Batches { calls, cancel, reply } => {
-            let out = calls
-                .into_iter()
-                .map(|(h, batch)| {
-                    let outcome = exec.call_batch(&h, &batch, &cancel);
-                    (batch, outcome)
-                })
-                .collect();
-            let _ = reply.send(out);
+        Job::Batches {
+            calls,
+            mut done,
+            cancel,
+            reply,
+        } => {
+            let mut calls = calls.into_iter();
+            while let Some((h, batch)) = calls.next() {
+                let outcome = exec.call_batch(&h, &batch, &cancel);
+                done.push((batch, outcome));
+                if !calls.as_slice().is_empty()
+                    && let Some(tx) = hand_back(shared)
+                {
+                    let rest = Job::Batches {
+                        calls: calls.collect(),
+                        done,
+                        cancel,
+                        reply,
+                    };
+                    if let Err(crossbeam_channel::SendError(rest)) = tx.send(rest) {
+                        run_here(exec, rest);
+                    }
+                    return;
+                }
+            }
+            let _ = reply.send(done);
         }
     }
+}
+
+/// Finish a job on this thread whatever its priority (the pool is shutting down).
+fn run_here(exec: &mut Executor, job: Job) {
+    let closed = Shared {
+        rx: crossbeam_channel::never(),
+        runtime: exec.runtime.clone(),
+        threads: parking_lot::Mutex::new(Vec::new()),
+        spawned: std::sync::atomic::AtomicUsize::new(0),
+        demoted: std::sync::atomic::AtomicU64::new(0),
+        handback: parking_lot::Mutex::new(None),
+    };
+    run(exec, job, &closed);
 }
 
 impl Drop for WorkerPool {
     fn drop(&mut self) {
         self.tx = None;
+        self.shared.handback.lock().take();
         // Demoted workers may start replacements while the queue drains.
         loop {
             let threads = std::mem::take(&mut *self.shared.threads.lock());

@@ -1,7 +1,8 @@
-//! Where a guest's stdout and stderr go when the handler is not granted the
-//! host's: a small ring buffer per instance that keeps the last bytes
-//! written, so a trap can be reported with the guest's own last words (a
-//! Rust panic message, a Python traceback line) in `weir-error`.
+//! Where a guest's stdout and stderr go. Not granted the host's: a small ring buffer per
+//! instance that keeps the last bytes written, so a trap can be reported with the guest's own
+//! last words (a Rust panic message, a Python traceback line) in `weir-error`. Granted: the
+//! host's stdout and stderr, within the call's log budget ([`CallLog`], shared with the `log`
+//! import), so a flood is cut to a bounded number of lines and bytes per call.
 
 use std::collections::VecDeque;
 use std::io;
@@ -121,6 +122,180 @@ impl AsyncWrite for TailPipe {
     }
 }
 
+/// What one call has written to the host's log and stdio, against its budgets. Lines over
+/// the budget are dropped and counted; the executor writes one marker line per call.
+#[derive(Debug)]
+pub struct CallLog {
+    max_bytes: usize,
+    max_lines: usize,
+    line_bytes: usize,
+    count: Mutex<LogCount>,
+}
+
+#[derive(Debug, Default)]
+struct LogCount {
+    bytes: usize,
+    lines: usize,
+    dropped_lines: u64,
+    dropped_bytes: u64,
+    /// A stdio line is open: `Some(true)` kept so far (with its length), `Some(false)` dropped.
+    open: Option<bool>,
+    open_len: usize,
+}
+
+impl CallLog {
+    /// Accounting with `budgets`' log limits.
+    pub fn new(budgets: &super::CallBudgets) -> Self {
+        Self {
+            max_bytes: budgets.log_bytes,
+            max_lines: budgets.log_lines,
+            line_bytes: budgets.log_line_bytes,
+            count: Mutex::new(LogCount::default()),
+        }
+    }
+
+    /// Start a new call; returns what the last one dropped (lines, bytes).
+    pub fn reset(&self) -> (u64, u64) {
+        let mut c = self.count.lock();
+        let dropped = (c.dropped_lines, c.dropped_bytes);
+        *c = LogCount::default();
+        dropped
+    }
+
+    /// A line of `len` bytes: how many of its bytes to write, or `None` to drop it.
+    pub fn admit_line(&self, len: usize) -> Option<usize> {
+        let mut c = self.count.lock();
+        if c.lines >= self.max_lines || c.bytes >= self.max_bytes {
+            c.dropped_lines += 1;
+            c.dropped_bytes += len as u64;
+            return None;
+        }
+        let keep = len.min(self.line_bytes).min(self.max_bytes - c.bytes);
+        c.lines += 1;
+        c.bytes += keep;
+        c.dropped_bytes += (len - keep) as u64;
+        Some(keep)
+    }
+
+    /// A chunk of stdio output: the part of it to forward (lines over the budget dropped,
+    /// long lines cut).
+    pub fn admit_chunk(&self, bytes: &[u8]) -> Vec<u8> {
+        let mut c = self.count.lock();
+        let mut out = Vec::new();
+        for piece in bytes.split_inclusive(|b| *b == b'\n') {
+            let ends = piece.last() == Some(&b'\n');
+            let body = if ends { &piece[..piece.len() - 1] } else { piece };
+            if c.open.is_none() {
+                if c.lines >= self.max_lines || c.bytes >= self.max_bytes {
+                    c.dropped_lines += 1;
+                    c.open = Some(false);
+                } else {
+                    c.lines += 1;
+                    c.open = Some(true);
+                    c.open_len = 0;
+                }
+            }
+            if c.open == Some(true) {
+                let room = (self.line_bytes - c.open_len.min(self.line_bytes)).min(self.max_bytes - c.bytes.min(self.max_bytes));
+                let keep = body.len().min(room);
+                out.extend_from_slice(&body[..keep]);
+                c.bytes += keep;
+                c.open_len += keep;
+                c.dropped_bytes += (body.len() - keep) as u64;
+                if ends {
+                    out.push(b'\n');
+                }
+            } else {
+                c.dropped_bytes += body.len() as u64;
+            }
+            if ends {
+                c.open = None;
+            }
+        }
+        out
+    }
+}
+
+/// The host's stdout or stderr, written through the call's [`CallLog`].
+#[derive(Debug, Clone)]
+pub struct BudgetedStdio {
+    log: Arc<CallLog>,
+    stderr: bool,
+}
+
+impl BudgetedStdio {
+    /// The host's stderr when `stderr`, else its stdout.
+    pub fn new(log: Arc<CallLog>, stderr: bool) -> Self {
+        Self { log, stderr }
+    }
+
+    fn forward(&self, bytes: &[u8]) {
+        use std::io::Write as _;
+        let out = self.log.admit_chunk(bytes);
+        if out.is_empty() {
+            return;
+        }
+        // The host's own streams failing is no reason to fail the guest.
+        let _ = if self.stderr {
+            std::io::stderr().lock().write_all(&out)
+        } else {
+            std::io::stdout().lock().write_all(&out)
+        };
+    }
+}
+
+impl IsTerminal for BudgetedStdio {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for BudgetedStdio {
+    fn p2_stream(&self) -> Box<dyn OutputStream> {
+        Box::new(self.clone())
+    }
+
+    fn async_stream(&self) -> Box<dyn AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+#[async_trait::async_trait]
+impl OutputStream for BudgetedStdio {
+    fn write(&mut self, bytes: Bytes) -> Result<(), StreamError> {
+        self.forward(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), StreamError> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> Result<usize, StreamError> {
+        Ok(64 * 1024)
+    }
+}
+
+#[async_trait::async_trait]
+impl Pollable for BudgetedStdio {
+    async fn ready(&mut self) {}
+}
+
+impl AsyncWrite for BudgetedStdio {
+    fn poll_write(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.forward(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,5 +311,24 @@ mod tests {
         assert!(!words.contains("first line"));
         p.clear();
         assert_eq!(p.last_words(200), None);
+    }
+
+    #[test]
+    fn call_log_keeps_the_budget_and_counts_the_rest() {
+        let budgets = crate::runtime::CallBudgets {
+            log_bytes: 100,
+            log_lines: 3,
+            log_line_bytes: 40,
+            ..crate::runtime::CallBudgets::default()
+        };
+        let log = CallLog::new(&budgets);
+        assert_eq!(log.admit_line(10), Some(10));
+        assert_eq!(log.admit_line(1000), Some(40), "a long line is cut");
+        let out = log.admit_chunk(b"abc\ndef\nghi\n");
+        assert_eq!(out, b"abc\n", "the third line fills the line budget");
+        assert_eq!(log.admit_line(5), None);
+        let (lines, bytes) = log.reset();
+        assert_eq!((lines, bytes), (3, 960 + 3 + 3 + 5));
+        assert_eq!(log.admit_line(5), Some(5), "a new call has a new budget");
     }
 }

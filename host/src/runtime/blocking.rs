@@ -1,0 +1,137 @@
+//! The WASI calls that block (`wasi:io/poll` `poll` and `pollable.block`), implemented by the
+//! host with the current call's deadline and cancel flag.
+//!
+//! Epoch interruption only fires while wasm code runs: a guest in `std::thread::sleep` (on
+//! wasm32-wasip2 a monotonic-clock `subscribe-duration` and a `block` on it) or waiting on any
+//! other pollable sits in the host, where no epoch check happens. These two functions shadow
+//! wasmtime-wasi's own and wait for the same futures, but no longer than the call's deadline,
+//! and no longer than the cancel flag stays clear (checked every [`super::EPOCH_TICK`]); an
+//! interrupted wait traps the instance with [`Interruption::Timeout`] or
+//! [`Interruption::Cancelled`] recorded, which the executor reports as that fault.
+//! A wait longer than the runtime's `demote_after` also runs the worker's long-call hook,
+//! as a CPU-heavy call does: a sleeping call gives its place in the pool to a fresh worker
+//! instead of holding it until its timeout.
+//! The blocking stream methods (`blocking-read`, `blocking-write-and-flush`, …) are left to
+//! wasmtime-wasi: on stdio they never wait, and files answer at once; only a guest granted
+//! the network could wait in them.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::Context as _;
+use wasmtime::StoreContextMut;
+use wasmtime::component::{Linker, Resource};
+use wasmtime_wasi::p2::DynPollable;
+use wasmtime_wasi::p2::bindings::io::poll::{Host as _, HostPollable as _};
+
+use super::host::{HostState, Interruption};
+
+/// The `wasi:io/poll` instance wasmtime-wasi 48 defines; guests importing an older 0.2.x
+/// resolve to it by semver.
+const POLL_INSTANCE: &str = "wasi:io/poll@0.2.12";
+
+/// Replace `poll` and `[method]pollable.block` in `linker` (which must have WASI already).
+pub(super) fn shadow_poll(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+    linker.allow_shadowing(true);
+    let mut poll = linker
+        .instance(POLL_INSTANCE)
+        .map_err(anyhow::Error::from)
+        .with_context(|| format!("opening {POLL_INSTANCE} in the linker"))?;
+    poll.func_wrap(
+        "poll",
+        |mut store: StoreContextMut<'_, HostState>, (list,): (Vec<Resource<DynPollable>>,)| {
+            let state = store.data_mut();
+            let (deadline, cancel, long) = (state.deadline, state.cancel.clone(), long_wait(state));
+            let r = bounded(deadline, cancel, long, state.table.poll(list));
+            match r {
+                Ok(ready) => Ok((ready?,)),
+                Err(why) => Err(interrupt(state, why)),
+            }
+        },
+    )
+    .map_err(anyhow::Error::from)
+    .context("shadowing wasi:io/poll.poll")?;
+    poll.func_wrap(
+        "[method]pollable.block",
+        |mut store: StoreContextMut<'_, HostState>, (p,): (Resource<DynPollable>,)| {
+            let state = store.data_mut();
+            let (deadline, cancel, long) = (state.deadline, state.cancel.clone(), long_wait(state));
+            let r = bounded(deadline, cancel, long, state.table.block(p));
+            match r {
+                Ok(done) => done,
+                Err(why) => Err(interrupt(state, why)),
+            }
+        },
+    )
+    .map_err(anyhow::Error::from)
+    .context("shadowing wasi:io/poll.[method]pollable.block")?;
+    linker.allow_shadowing(false);
+    Ok(())
+}
+
+/// What to run if this wait outlives `demote_after`: the worker's long-call hook (which does
+/// its work once per thread, however often a call waits).
+fn long_wait(state: &mut HostState) -> Option<(std::time::Duration, LongCallHook)> {
+    let after = state.long_call?;
+    let hook = state.on_long_call.clone()?;
+    Some((after, hook))
+}
+
+type LongCallHook = Arc<dyn Fn() + Send + Sync>;
+
+fn interrupt(state: &mut HostState, why: Interruption) -> wasmtime::Error {
+    state.interrupted = Some(why);
+    wasmtime::Error::msg(match why {
+        Interruption::Timeout => "interrupted in a blocking WASI call at the call's timeout",
+        Interruption::Cancelled => "interrupted in a blocking WASI call: cancelled by the host",
+    })
+}
+
+/// Run `fut` on wasmtime-wasi's runtime (as its own sync bindings do), but stop at `deadline`
+/// or when `cancel` is set, whichever comes first.
+fn bounded<F: Future>(
+    deadline: Option<Instant>,
+    cancel: Option<Arc<AtomicBool>>,
+    long: Option<(std::time::Duration, LongCallHook)>,
+    fut: F,
+) -> Result<F::Output, Interruption> {
+    let is_cancelled = |c: &Option<Arc<AtomicBool>>| c.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+    if is_cancelled(&cancel) {
+        return Err(Interruption::Cancelled);
+    }
+    wasmtime_wasi::runtime::in_tokio(async move {
+        let timeout = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        let cancelled = async {
+            match &cancel {
+                Some(c) => {
+                    while !c.load(Ordering::Relaxed) {
+                        tokio::time::sleep(super::EPOCH_TICK).await;
+                    }
+                }
+                None => std::future::pending().await,
+            }
+        };
+        // Runs on this worker's thread (`in_tokio` blocks on it here), as the hook expects.
+        let demote = async {
+            if let Some((after, hook)) = long {
+                tokio::time::sleep(after).await;
+                hook();
+            }
+            std::future::pending::<()>().await;
+        };
+        tokio::select! {
+            biased;
+            () = cancelled => Err(Interruption::Cancelled),
+            () = timeout => Err(Interruption::Timeout),
+            out = fut => Ok(out),
+            () = demote => Err(Interruption::Cancelled),
+        }
+    })
+}

@@ -1,0 +1,90 @@
+//! Hostile behaviours (issue 15), chosen by a `hostile.` message type: a guest that blocks in
+//! WASI past its timeout, publishes more cascade bytes than any budget, floods the log or its
+//! stdout, or answers with an oversized failure text. The payload is the size or count.
+//!
+//! | type                      | payload        | does                                                |
+//! |---------------------------|----------------|-----------------------------------------------------|
+//! | `hostile.sleep`           | ms             | logs `hostile.sleep: sleeping`, `std::thread::sleep`s, answers `Ok` |
+//! | `hostile.publish-bytes`   | `SIZE COUNT`   | publishes COUNT messages of SIZE bytes; rejects with `published=N refused=M first=ERR` |
+//! | `hostile.publish-ok`      | `SIZE COUNT`   | same publishes, ignores refusals and answers `Ok`   |
+//! | `hostile.log-bytes`       | bytes          | one `log` call of that many bytes (several lines)   |
+//! | `hostile.log-lines`       | count          | that many short `log` calls                          |
+//! | `hostile.print-lines`     | count          | that many lines on stdout                            |
+//! | `hostile.reject-bytes`    | bytes          | rejects with a multi-line text of that size          |
+//! | `hostile.retry-bytes`     | bytes          | retries with a multi-line text of that size          |
+//! | `hostile.panic-bytes`     | bytes          | panics with a message of that size                   |
+
+use std::time::Duration;
+
+use weir_guest::{Failure, Message};
+
+/// Handle a `hostile.` type (`kind` is the part after the prefix).
+pub fn handle(kind: &str, msg: &Message) -> Result<(), Failure> {
+    let text = msg.text()?.trim().to_owned();
+    let number = |t: &str| -> Result<usize, Failure> {
+        t.parse()
+            .map_err(|e| Failure::reject(format!("hostile.{kind}: {t:?} is not a number: {e}")))
+    };
+    match kind {
+        "sleep" => {
+            let ms = number(&text)?;
+            weir_guest::log::info(&format!("hostile.sleep: sleeping {ms} ms, message {}", msg.id()));
+            std::thread::sleep(Duration::from_millis(ms as u64));
+            Ok(())
+        }
+        "publish-bytes" | "publish-ok" => {
+            let (size, count) = text
+                .split_once(' ')
+                .ok_or_else(|| Failure::reject(format!("hostile.{kind}: payload {text:?} is not `SIZE COUNT`")))?;
+            let (size, count) = (number(size)?, number(count)?);
+            let buffer = vec![b'c'; size];
+            let (mut published, mut refused, mut first) = (0usize, 0usize, None);
+            for _ in 0..count {
+                match weir_guest::publish("ok", msg.group_id(), &[], &buffer) {
+                    Ok(()) => published += 1,
+                    Err(e) => {
+                        refused += 1;
+                        first.get_or_insert(e.reason().to_owned());
+                    }
+                }
+            }
+            if kind == "publish-ok" {
+                return Ok(());
+            }
+            Err(Failure::reject(format!("published={published} refused={refused} first={first:?}")))
+        }
+        "log-bytes" => {
+            let n = number(&text)?;
+            let line: String = (0..n).map(|i| if i % 100 == 99 { '\n' } else { 'l' }).collect();
+            weir_guest::log::info(&line);
+            Ok(())
+        }
+        "log-lines" => {
+            for i in 0..number(&text)? {
+                weir_guest::log::info(&format!("flood line {i}"));
+            }
+            Ok(())
+        }
+        "print-lines" => {
+            for i in 0..number(&text)? {
+                println!("stdout flood line {i}");
+            }
+            Ok(())
+        }
+        "reject-bytes" => Err(Failure::reject(big_text(number(&text)?))),
+        "retry-bytes" => Err(Failure::retry(big_text(number(&text)?))),
+        "panic-bytes" => panic!("{}", big_text(number(&text)?)),
+        other => Err(Failure::reject(format!("faulty: unknown hostile behaviour {other:?}"))),
+    }
+}
+
+/// `first line of the reason` then lines of `r` up to `n` bytes in all.
+fn big_text(n: usize) -> String {
+    let mut s = String::from("first line of the reason\n");
+    while s.len() < n {
+        s.push_str(&"r".repeat(99));
+        s.push('\n');
+    }
+    s.truncate(n.max(1));
+    s
+}
