@@ -329,6 +329,7 @@ impl Node {
                 p,
                 &config.node.name,
                 config.cluster.lease,
+                config.cluster.drain_deadline(),
                 all_slots,
                 slots.clone(),
                 ready.clone(),
