@@ -52,6 +52,11 @@ pub const REASSIGN_MARGIN: Duration = Duration::from_millis(500);
 /// *before* draining it, so the next owner can start while calls still run.
 pub const NEGATIVE_CONTROL_NO_DRAIN: &str = "WEIR_NEGATIVE_CONTROL_NO_DRAIN";
 
+/// Negative control for the fencing test, never for production: with this
+/// environment variable set to `1` a node fences only after its lease
+/// expired (lease + 3 ticks), so the test can show it measures lateness.
+pub const NEGATIVE_CONTROL_LATE_FENCE: &str = "WEIR_NEGATIVE_CONTROL_LATE_FENCE";
+
 /// The embedded migrations (`host/migrations`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -518,7 +523,12 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
         owned: 0,
     };
     tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
-    let fence_after = c.lease.saturating_sub(fence_margin(c.lease));
+    let fence_after = if std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1") {
+        tracing::error!("{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)");
+        c.lease + TICK * 3
+    } else {
+        c.lease.saturating_sub(fence_margin(c.lease))
+    };
     let mut listener = Wakeups::default();
     let mut leaving: Option<Leaving> = None;
     loop {
