@@ -813,3 +813,40 @@ fn frozen_database(late: bool) -> (bool, Duration) {
     }
     (after, by)
 }
+
+/// Issue 14 item 4b: a fence and a takeover, then SIGTERM. node-0's
+/// database connection freezes while it runs 4 s calls with messages
+/// queued behind them; it fences (interrupting them: released, not
+/// failed); node-1 takes every slot and handles everything; then node-1
+/// must leave within 20 s of its SIGTERM, and node-0 too once its database
+/// is back.
+#[test]
+fn after_a_fence_and_a_takeover_both_nodes_exit_on_nats() {
+    let db = TestDb::new();
+    let pg = proxy::FaultProxy::start("127.0.0.1:5432".parse().unwrap());
+    let via = format!("postgres://postgres@127.0.0.1:{}/{}", pg.port(), db.name);
+    let topo = Broker::nats();
+    let mut cluster = Cluster::default();
+    let admin = common::http::free_port();
+    cluster.start("node-0", &config_with(&topo, &via, "node-0", "", Some(admin)));
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    cluster.start("node-1", &config(&topo, &db.url(), "node-1"));
+    let owners = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let mine: Vec<u32> = (0..SLOTS).filter(|s| owners[s] == "node-0").take(2).collect();
+    let groups = groups_on(&mine);
+    let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
+    let queued: Vec<Envelope> = (0..3).flat_map(|_| groups.iter().map(|g| slow(g, 50))).collect();
+    let all: Vec<Envelope> = long.iter().chain(&queued).cloned().collect();
+    publish_all(&topo, &all);
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    pg.freeze();
+    wait_for("node-0 fences", LEASE * 3, || cluster.nodes[0].log().contains("fenced: consuming nothing"));
+    wait_balanced(&db, &cluster, &["node-1"], LEASE * 5);
+    let report = cluster.wait_handled(&ids(&all), Duration::from_secs(60));
+    no_overlap(&report);
+    let dead: Vec<&(String, String)> = report.settled.values().filter(|(_, o)| o.starts_with("dead-lettered")).collect();
+    assert!(dead.is_empty(), "interrupted and queued messages are released, not failed: {dead:?}");
+    cluster.nodes[1].terminate(Duration::from_secs(20));
+    pg.forward();
+    cluster.nodes[0].terminate(Duration::from_secs(30));
+}
