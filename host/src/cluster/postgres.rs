@@ -11,7 +11,9 @@
 //! 2. **Fence** when the last successful renewal is older than
 //!    `lease − fence margin`: interrupt the in-flight calls of every slot,
 //!    drain, stop consuming. This happens before the lease can expire, so
-//!    before the leader may hand the slots to anyone else.
+//!    before the leader may hand the slots to anyone else. The fencing
+//!    deadline is a timer of its own: every database step is cut short when
+//!    it comes ([`step`]), so a stalled database cannot delay the fence.
 //! 3. **Lead**, if it holds (or can take) the leader lease. Each leader
 //!    action runs in one transaction that first locks the leader row and
 //!    re-checks the lease, so a leader that lost its lease (a pooler that
@@ -24,6 +26,16 @@
 //!    for every running call, stop consuming) and only then hand them,
 //!    epoch-checked, to the target the leader chose (epoch + 1), or set them
 //!    free when that node is gone (the leader assigns it at its next tick).
+//!
+//! 5. **Leave**, on stop: mark the node `leaving` (the leader assigns it
+//!    nothing more and picks targets for its slots), drain and release
+//!    every slot as in 4, then delete its row and give up the leader lease,
+//!    renewing the lease all along. At `cluster.drain_deadline` the calls
+//!    still running are interrupted (released to the broker, not failed); a
+//!    lease after that, a drain that still has not ended is given up and
+//!    the node exits without releasing those slots (the leader frees them
+//!    once the lease ran out). The leader also reassigns any slot whose
+//!    owner is no longer registered, whatever the order of events.
 //!
 //! All lease arithmetic is on the database clock; the node's own fencing
 //! deadline is on its monotonic clock, measured conservatively.
@@ -553,9 +565,27 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
             if done {
                 break;
             }
+            // A lease after the deadline the interrupted calls have ended;
+            // a runner still not done waits on something else (the broker).
+            // Give up: stop renewing without freeing anything, so the
+            // leader frees the slots only once the lease (and the margin)
+            // ran out, by which time this process has exited.
+            if l.interrupted && l.since.elapsed() >= c.drain_deadline + c.lease {
+                let stuck = c.slots.running();
+                tracing::error!(node = %c.name, slots = ?stuck, "drain deadline + lease passed and these slots still drain; exiting without releasing them (the leader frees them when this node's lease expires)");
+                for (_, h) in st.releasing.drain() {
+                    h.abort();
+                }
+                c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                anyhow::bail!("{} slots did not finish draining: {stuck:?}", stuck.len());
+            }
         }
         let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
-        let wake_at = [fence_at, drain_at].into_iter().flatten().min();
+        let give_up_at = leaving
+            .as_ref()
+            .filter(|l| l.interrupted)
+            .map(|l| l.since + c.drain_deadline + c.lease);
+        let wake_at = [fence_at, drain_at, give_up_at].into_iter().flatten().min();
         listener.ensure(&c, fence_at).await;
         tokio::select! {
             _ = tokio::time::sleep(TICK) => {}
