@@ -26,6 +26,15 @@ pub mod defaults {
     pub const PREFETCH: u32 = 256;
     /// `cluster.lease`.
     pub const LEASE: Duration = Duration::from_secs(5);
+    /// `cluster.drain_deadline` when not set: 25 s (below the 30 s a
+    /// supervisor such as Kubernetes gives a process between SIGTERM and
+    /// SIGKILL), or the lease when that is longer.
+    pub const DRAIN_DEADLINE: Duration = Duration::from_secs(25);
+
+    /// `cluster.drain_deadline` when not set, for a lease of `lease`.
+    pub fn drain_deadline(lease: Duration) -> Duration {
+        DRAIN_DEADLINE.max(lease)
+    }
     /// `topology.max_concurrent_groups`, per slot.
     pub const MAX_CONCURRENT_GROUPS: u32 = 64;
     /// `topology.max_unordered`, per slot.
@@ -477,6 +486,21 @@ pub struct Cluster {
     /// How long a node's slot lease lasts without renewal (`postgres` mode).
     #[serde(default = "defaults::lease", deserialize_with = "de_duration")]
     pub lease: Duration,
+    /// How long a stopping node lets its running calls finish (`postgres`
+    /// mode). The node renews its lease throughout its drain; at this
+    /// deadline it interrupts the calls still running (they are released to
+    /// the broker, not failed), releases its slots and leaves. At least the
+    /// lease: a node that crashed keeps its slots that long anyway. Default:
+    /// [`defaults::drain_deadline`]; read it with [`Cluster::drain_deadline`].
+    #[serde(default, deserialize_with = "de_duration_opt")]
+    pub drain_deadline: Option<Duration>,
+}
+
+impl Cluster {
+    /// `drain_deadline`, or its default for this lease.
+    pub fn drain_deadline(&self) -> Duration {
+        self.drain_deadline.unwrap_or_else(|| defaults::drain_deadline(self.lease))
+    }
 }
 
 impl Default for Cluster {
@@ -486,6 +510,7 @@ impl Default for Cluster {
             owned_slots: None,
             database_url: None,
             lease: defaults::LEASE,
+            drain_deadline: None,
         }
     }
 }
@@ -1167,6 +1192,15 @@ impl Config {
         }
         if c.lease.is_zero() {
             errors.add("cluster.lease", "is 0s; accepted: a positive duration such as \"5s\"");
+        }
+        if c.drain_deadline() < c.lease {
+            errors.add(
+                "cluster.drain_deadline",
+                format!(
+                    "is {:?}, shorter than cluster.lease ({:?}): a crashed node keeps its slots for a lease, a stopping one should not get less; accepted: a duration of at least {:?}",
+                    c.drain_deadline(), c.lease, c.lease
+                ),
+            );
         }
     }
 
@@ -2104,6 +2138,22 @@ mod tests {
             "cluster.lease",
             "positive",
         );
+    }
+
+    #[test]
+    fn drain_deadline_at_least_the_lease() {
+        assert_one(
+            &base("").replace(
+                "[[topology]]",
+                "[cluster]\nlease = \"10s\"\ndrain_deadline = \"3s\"\n[[topology]]",
+            ),
+            "cluster.drain_deadline",
+            "at least 10s",
+        );
+        let c = parse(&base("").replace("[[topology]]", "[cluster]\nlease = \"40s\"\n[[topology]]"), "weir.toml").unwrap();
+        assert_eq!(c.cluster.drain_deadline(), Duration::from_secs(40), "the default grows with the lease");
+        let c = parse(&base(""), "weir.toml").unwrap();
+        assert_eq!(c.cluster.drain_deadline(), defaults::DRAIN_DEADLINE);
     }
 
     #[test]

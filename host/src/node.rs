@@ -348,6 +348,7 @@ impl Node {
                 p,
                 &config.node.name,
                 config.cluster.lease,
+                config.cluster.drain_deadline(),
                 all_slots,
                 slots.clone(),
                 ready.clone(),
@@ -429,15 +430,21 @@ impl Node {
     pub async fn shutdown(mut self) -> anyhow::Result<Vec<RunnerReport>> {
         self.ready.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = self.stop.send(true);
-        // The coordinator drains its slots before it gives them up.
+        // The coordinator drains its slots before it gives them up (it
+        // interrupts what still runs at `cluster.drain_deadline`, and gives
+        // up on a drain a lease later: then the slots are not waited for).
+        let mut gave_up = false;
         if let Some(c) = self.coordinator.take() {
             match c.await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::error!(error = %format!("{e:#}"), "the coordinator stopped with an error"),
+                Ok(Err(e)) => {
+                    gave_up = true;
+                    tracing::error!(error = %format!("{e:#}"), "the coordinator stopped with an error");
+                }
                 Err(e) => tracing::error!(error = %e, "the coordinator panicked"),
             }
         }
-        let reports = self.slots.drain_all().await;
+        let reports = if gave_up { Vec::new() } else { self.slots.drain_all().await };
         for f in self.followers.drain(..) {
             let _ = f.await;
         }

@@ -19,6 +19,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/proxy.rs"]
+mod proxy;
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -70,8 +72,23 @@ impl Broker {
 }
 
 fn config(broker: &Broker, db_url: &str, node: &str) -> String {
+    config_with(broker, db_url, node, "", None)
+}
+
+/// [`config`] with `extra` lines in `[cluster]` and an admin listener on
+/// `admin` (for `/metrics`).
+fn config_with(broker: &Broker, db_url: &str, node: &str, extra: &str, admin: Option<u16>) -> String {
     let lease = LEASE.as_millis();
-    let postgres = format!("mode = \"postgres\"\ndatabase_url = \"{db_url}\"\nlease = \"{lease}ms\"");
+    let postgres = format!("mode = \"postgres\"\ndatabase_url = \"{db_url}\"\nlease = \"{lease}ms\"\n{extra}");
+    let text = config_body(broker, node, &postgres);
+    match admin {
+        Some(port) => text.replacen("[node]\n", &format!("[node]\nadmin = \"127.0.0.1:{port}\"\n"), 1),
+        None => text,
+    }
+}
+
+fn config_body(broker: &Broker, node: &str, postgres: &str) -> String {
+    let postgres = postgres.to_owned();
     match broker {
         Broker::Rabbit(t) => cluster::node_config(node, "rabbitmq", &url(), 16, &postgres, &t.name, SLOTS),
         // JetStream redelivers what a dead node held after AckWait, the
@@ -225,7 +242,7 @@ fn status_shows(topo: &Broker, db: &TestDb, owners: &HashMap<u32, String>) {
     let path = dir.path().join("status.toml");
     std::fs::write(&path, config(topo, &db.url(), "status")).unwrap();
     let run = |json: bool| {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_weir"));
+        let mut cmd = std::process::Command::new(cluster::weir_bin());
         cmd.args(["status", "--config"]).arg(&path);
         if json {
             cmd.arg("--json");
@@ -408,12 +425,14 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
     if no_drain {
         env0.push((weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN, "1"));
     }
-    cluster.start_with_env("node-0", &config(topo, &db.url(), "node-0"), &env0);
+    let admin = common::http::free_port();
+    cluster.start_with_env("node-0", &config_with(topo, &db.url(), "node-0", "", Some(admin)), &env0);
     wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
     let groups = groups_on(&[3, 4, 5]);
     let first: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
     publish_all(topo, &first);
-    std::thread::sleep(Duration::from_millis(200));
+    // The long calls run (two at least: a 2-core machine has two workers).
+    wait_for("node-0 runs the long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
     cluster.start_with_env("node-1", &config(topo, &db.url(), "node-1"), &[NO_SAC]);
     let moved = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
     for s in [3, 4, 5] {
@@ -432,7 +451,8 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    std::thread::sleep(Duration::from_millis(200));
+    // Published now, the second messages wait in the slot queues for
+    // node-1's consumers (or are returned by node-0's draining ones).
     let second: Vec<Envelope> = (0..4).flat_map(|_| groups.iter().map(|g| slow(g, 100))).collect();
     publish_all(topo, &second);
     let all: Vec<Envelope> = first.into_iter().chain(second).collect();
@@ -479,7 +499,8 @@ fn losing_the_database_fences_before_the_lease_expires() {
     let proxy = Proxy::start();
     let topo = Broker::rabbit();
     let mut cluster = Cluster::default();
-    cluster.start("node-0", &config(&topo, &db.url_via(&proxy), "node-0"));
+    let admin = common::http::free_port();
+    cluster.start("node-0", &config_with(&topo, &db.url_via(&proxy), "node-0", "", Some(admin)));
     wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
     let msgs: Vec<Envelope> = (0..400).map(|i| slow(&format!("g{}", i % 12), 40)).collect();
     let publisher = stream(&topo, msgs.clone(), Duration::from_secs(4));
@@ -500,7 +521,14 @@ fn losing_the_database_fences_before_the_lease_expires() {
     // sent before the cut, so the lease runs at least until cut + lease −
     // one tick (and the renewal's round trip, bounded here by another tick).
     let deadline = cut_at + u64::try_from((LEASE - 2 * weir::cluster::postgres::TICK).as_nanos()).unwrap();
-    std::thread::sleep(LEASE);
+    // Read the journals once the lease expired (database clock) and no
+    // call runs on node-0: any call past the bound would be in them.
+    wait_for("node-0's lease expired", LEASE * 3, || {
+        db.query("SELECT (lease_until < now())::text FROM weir_nodes WHERE name = 'node-0'")
+            .iter()
+            .all(|r| r[0].as_deref() == Some("true"))
+    });
+    assert_eq!(in_flight(admin), 0, "a fenced node runs no call");
     let report = cluster.report();
     let last_end = report.calls.iter().map(|c| c.end).max().unwrap();
     assert!(
@@ -523,5 +551,302 @@ fn losing_the_database_fences_before_the_lease_expires() {
         "{}",
         cluster.nodes[0].log()
     );
+    cluster.nodes[0].terminate(Duration::from_secs(30));
+}
+
+/// Guest calls running now on the node whose admin listener is on `port`.
+fn in_flight(port: u16) -> i64 {
+    let (status, body) = common::http::call("GET", port, "/metrics", None, b"");
+    assert_eq!(status, 200, "{body}");
+    body.as_str()
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("handler_calls_in_flight{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<i64>().ok())
+        .sum()
+}
+
+/// Wait until `probe` holds, up to `timeout` (then panic with `what`).
+fn wait_for(what: &str, timeout: Duration, mut probe: impl FnMut() -> bool) {
+    assert!(proxy::wait_until(timeout, &mut probe), "{what}: not within {timeout:?}");
+}
+
+/// The slots without a live owner (no owner, or one whose lease expired or
+/// whose row is gone), by the database.
+fn ownerless(db: &TestDb) -> Vec<u32> {
+    db.query(
+        "SELECT s.slot::text FROM weir_slots s LEFT JOIN weir_nodes n ON n.node_id = s.owner \
+         WHERE n.node_id IS NULL OR n.lease_until <= now() ORDER BY s.slot",
+    )
+    .into_iter()
+    .map(|r| r[0].as_ref().unwrap().parse().unwrap())
+    .collect()
+}
+
+/// Issue 14 item 2: a node that stops keeps renewing its lease while it
+/// drains, so nobody gets its slots while its calls run. node-0 runs 4 s
+/// calls (two lease lengths; the handler timeout is 5 s) on two of its slots with three messages
+/// queued behind each when it gets SIGTERM; node-1 takes the slots over only
+/// after those calls ended. JetStream has no single active consumer: a lease
+/// freed early lets node-1 run the queued messages beside the running calls.
+#[test]
+fn a_draining_node_keeps_its_lease_on_nats() {
+    let db = TestDb::new();
+    let topo = Broker::nats();
+    let mut cluster = Cluster::default();
+    let admin = common::http::free_port();
+    cluster.start("node-0", &config_with(&topo, &db.url(), "node-0", "", Some(admin)));
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    cluster.start("node-1", &config(&topo, &db.url(), "node-1"));
+    let owners = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let mine: Vec<u32> = (0..SLOTS).filter(|s| owners[s] == "node-0").take(2).collect();
+    let groups = groups_on(&mine);
+    let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
+    let queued: Vec<Envelope> = (0..3).flat_map(|_| groups.iter().map(|g| slow(g, 50))).collect();
+    publish_all(&topo, &long.iter().chain(&queued).cloned().collect::<Vec<_>>());
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    cluster.nodes[0].terminate(Duration::from_secs(30));
+    let all: Vec<Envelope> = long.iter().chain(&queued).cloned().collect();
+    let report = cluster.wait_handled(&ids(&all), Duration::from_secs(60));
+    assert!(
+        report.overlaps.is_empty(),
+        "the slots moved while node-0 still ran calls: {}",
+        cluster::describe(&report)
+    );
+    for m in &long {
+        assert_eq!(report.settled[&m.id], ("node-0".to_owned(), "handled".to_owned()), "the drain let the long call finish");
+    }
+    let leader_log = cluster.nodes[1].log() + &cluster.nodes[0].log();
+    assert!(
+        !leader_log.contains("nodes whose lease expired"),
+        "node-0's lease expired during its drain:\n{leader_log}"
+    );
+    assert!(cluster.nodes[0].log().contains("left the cluster"), "{}", cluster.nodes[0].log());
+    cluster.nodes[1].terminate(Duration::from_secs(30));
+}
+
+/// The drain deadline: a leaving node interrupts the calls still running at
+/// `cluster.drain_deadline` (here the lease, 2 s, against 4.5 s calls), and
+/// they are released, not failed: the next owner handles them on their next
+/// delivery, nothing is dead-lettered, and node-0 exits long before its
+/// calls would have ended.
+#[test]
+fn the_drain_deadline_interrupts_and_releases() {
+    let db = TestDb::new();
+    let topo = Broker::rabbit();
+    let mut cluster = Cluster::default();
+    let admin = common::http::free_port();
+    let extra = format!("drain_deadline = \"{}ms\"", LEASE.as_millis());
+    cluster.start("node-0", &config_with(&topo, &db.url(), "node-0", &extra, Some(admin)));
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    cluster.start("node-1", &config(&topo, &db.url(), "node-1"));
+    let owners = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let mine: Vec<u32> = (0..SLOTS).filter(|s| owners[s] == "node-0").take(2).collect();
+    let groups = groups_on(&mine);
+    // Under the handler timeout (5 s): the calls end on node-1.
+    let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 4500)).collect();
+    publish_all(&topo, &long);
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    let stopped = Instant::now();
+    cluster.nodes[0].terminate(Duration::from_secs(30));
+    let journal = cluster.report();
+    let ended_on_0 = journal.calls.iter().filter(|c| c.node == "node-0").count();
+    assert!(ended_on_0 >= 2, "the interrupted calls ended on node-0 before it left");
+    let took = stopped.elapsed();
+    eprintln!("node-0 left {took:?} after SIGTERM (drain deadline {LEASE:?}, calls of 4.5 s)");
+    let log = cluster.nodes[0].log();
+    assert!(log.contains("drain deadline: interrupting"), "{log}");
+    let report = cluster.wait_handled(&ids(&long), Duration::from_secs(60));
+    no_overlap(&report);
+    for m in &long {
+        assert_eq!(report.settled[&m.id].0, "node-1", "the interrupted call ran again on node-1");
+    }
+    let dead: Vec<&(String, String)> = report.settled.values().filter(|(_, o)| o.starts_with("dead-lettered")).collect();
+    assert!(dead.is_empty(), "interrupted calls are released, not failed: {dead:?}");
+    cluster.nodes[1].terminate(Duration::from_secs(60));
+}
+
+/// Issue 14 item 3: churn. Three nodes; 24 membership changes (a node stops
+/// with SIGTERM, a new one starts; every third change both at once) while
+/// messages flow. After each change every slot has a live owner within
+/// lease + 1 s, no slot is ever assigned to a node that is leaving, and the
+/// journals show no overlap and nothing lost.
+#[test]
+fn churn_every_slot_has_a_live_owner_after_each_change() {
+    let db = TestDb::new();
+    let topo = Broker::rabbit();
+    let mut cluster = Cluster::default();
+    let mut alive: Vec<String> = Vec::new();
+    for i in 0..3 {
+        let name = format!("n{i}");
+        cluster.start(&name, &config(&topo, &db.url(), &name));
+        alive.push(name);
+    }
+    let names: Vec<&str> = alive.iter().map(String::as_str).collect();
+    wait_balanced(&db, &cluster, &names, Duration::from_secs(30));
+    let msgs: Vec<Envelope> = (0..2400).map(|i| slow(&format!("g{}", i % 48), 5)).collect();
+    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(40));
+    let bound = LEASE + Duration::from_secs(1);
+    let mut worst = Duration::ZERO;
+    for change in 0..24 {
+        let victim = alive.remove(change % alive.len().max(1));
+        let i = cluster.nodes.iter().position(|n| n.name == victim).unwrap();
+        let newcomer = format!("n{}", change + 3);
+        if change % 3 == 2 {
+            // Stop and start at once.
+            let mut node = cluster.nodes.remove(i);
+            let stopping = std::thread::spawn(move || {
+                node.terminate(Duration::from_secs(30));
+                node
+            });
+            cluster.start(&newcomer, &config(&topo, &db.url(), &newcomer));
+            let node = stopping.join().unwrap();
+            cluster.nodes.push(node);
+        } else {
+            cluster.nodes[i].terminate(Duration::from_secs(30));
+            let since = Instant::now();
+            wait_for(
+                &format!("change {change}: every slot owned after {victim} left: {:?}", ownerless(&db)),
+                bound,
+                || ownerless(&db).is_empty(),
+            );
+            worst = worst.max(since.elapsed());
+            cluster.start(&newcomer, &config(&topo, &db.url(), &newcomer));
+        }
+        alive.push(newcomer);
+        let since = Instant::now();
+        wait_for(
+            &format!("change {change}: every slot owned after the start: {:?}", ownerless(&db)),
+            bound,
+            || ownerless(&db).is_empty(),
+        );
+        worst = worst.max(since.elapsed());
+    }
+    let names: Vec<&str> = alive.iter().map(String::as_str).collect();
+    wait_balanced(&db, &cluster, &names, Duration::from_secs(30));
+    publisher.join().unwrap();
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(180));
+    no_overlap(&report);
+    eprintln!("churn: 24 changes, longest wait for every slot to have a live owner {worst:?}");
+    for n in &mut cluster.nodes {
+        if n.alive() {
+            n.terminate(Duration::from_secs(30));
+        }
+    }
+    assert!(owners(&db).is_empty(), "{:?}", owners(&db));
+}
+
+/// Issue 14 item 5: the fencing deadline is a timer of its own. node-0's
+/// database connection goes through a proxy the test freezes (bytes held,
+/// connections open: every step waits its full timeout). node-0 must finish
+/// fencing — every call ended, "fenced" logged — before its lease expires by
+/// the database's clock. The negative control moves the fence past the
+/// expiry and must be caught by the same measurement.
+#[test]
+fn a_frozen_database_fences_before_the_lease_expires() {
+    let (after, by) = frozen_database(false);
+    assert!(!after, "node-0 finished fencing {by:?} after its lease expired");
+}
+
+#[test]
+fn a_fence_after_the_lease_expired_is_measured_late() {
+    let (after, by) = frozen_database(true);
+    assert!(after, "the measurement cannot see a late fence: it says {by:?} before the expiry");
+}
+
+/// Whether node-0 finished fencing after its lease expired (database
+/// clock), and by how much (before or after).
+fn frozen_database(late: bool) -> (bool, Duration) {
+    let db = TestDb::new();
+    let pg = proxy::FaultProxy::start("127.0.0.1:5432".parse().unwrap());
+    let url = format!("postgres://postgres@127.0.0.1:{}/{}", pg.port(), db.name);
+    let topo = Broker::rabbit();
+    let mut cluster = Cluster::default();
+    let admin = common::http::free_port();
+    let env: Vec<(&str, &str)> = if late {
+        vec![(weir::cluster::postgres::NEGATIVE_CONTROL_LATE_FENCE, "1")]
+    } else {
+        Vec::new()
+    };
+    cluster.start_with_env("node-0", &config_with(&topo, &url, "node-0", "", Some(admin)), &env);
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    let groups = groups_on(&[0, 1]);
+    let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 8000)).collect();
+    publish_all(&topo, &long);
+    wait_for("node-0 runs both calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+
+    pg.freeze();
+    // The lease node-0 holds: no renewal passes the frozen proxy any more
+    // (one sent just before the freeze may still land: read it after
+    // a renewal's timeout, then once more below).
+    let expiry = || -> (Instant, f64) {
+        let at = Instant::now();
+        let left: f64 = db.query("SELECT extract(epoch FROM lease_until - now())::float8::text FROM weir_nodes")[0][0]
+            .as_ref()
+            .unwrap()
+            .parse()
+            .unwrap();
+        (at, left)
+    };
+    let (at, left) = expiry();
+    let mut expires = at + Duration::from_secs_f64(left.max(0.0));
+    let start = Instant::now();
+    let fenced_at = loop {
+        if cluster.nodes[0].log().contains("fenced: consuming nothing") {
+            break Instant::now();
+        }
+        assert!(start.elapsed() < LEASE * 4, "never fenced; log:\n{}", cluster.nodes[0].log());
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // A renewal in flight at the freeze cannot commit: the proxy holds it.
+    let (at, left) = expiry();
+    if left > 0.0 {
+        expires = expires.max(at + Duration::from_secs_f64(left));
+    }
+    assert_eq!(in_flight(admin), 0, "fencing ended every call");
+    pg.forward();
+    let after = fenced_at >= expires;
+    let by = if after { fenced_at - expires } else { expires - fenced_at };
+    eprintln!("fence finished {by:?} {} the lease expired (late control: {late})", if after { "after" } else { "before" });
+    for n in &mut cluster.nodes {
+        n.terminate(Duration::from_secs(30));
+    }
+    (after, by)
+}
+
+/// Issue 14 item 4b: a fence and a takeover, then SIGTERM. node-0's
+/// database connection freezes while it runs 4 s calls with messages
+/// queued behind them; it fences (interrupting them: released, not
+/// failed); node-1 takes every slot and handles everything; then node-1
+/// must leave within 20 s of its SIGTERM, and node-0 too once its database
+/// is back.
+#[test]
+fn after_a_fence_and_a_takeover_both_nodes_exit_on_nats() {
+    let db = TestDb::new();
+    let pg = proxy::FaultProxy::start("127.0.0.1:5432".parse().unwrap());
+    let via = format!("postgres://postgres@127.0.0.1:{}/{}", pg.port(), db.name);
+    let topo = Broker::nats();
+    let mut cluster = Cluster::default();
+    let admin = common::http::free_port();
+    cluster.start("node-0", &config_with(&topo, &via, "node-0", "", Some(admin)));
+    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    cluster.start("node-1", &config(&topo, &db.url(), "node-1"));
+    let owners = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let mine: Vec<u32> = (0..SLOTS).filter(|s| owners[s] == "node-0").take(2).collect();
+    let groups = groups_on(&mine);
+    let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
+    let queued: Vec<Envelope> = (0..3).flat_map(|_| groups.iter().map(|g| slow(g, 50))).collect();
+    let all: Vec<Envelope> = long.iter().chain(&queued).cloned().collect();
+    publish_all(&topo, &all);
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    pg.freeze();
+    wait_for("node-0 fences", LEASE * 3, || cluster.nodes[0].log().contains("fenced: consuming nothing"));
+    wait_balanced(&db, &cluster, &["node-1"], LEASE * 5);
+    let report = cluster.wait_handled(&ids(&all), Duration::from_secs(60));
+    no_overlap(&report);
+    let dead: Vec<&(String, String)> = report.settled.values().filter(|(_, o)| o.starts_with("dead-lettered")).collect();
+    assert!(dead.is_empty(), "interrupted and queued messages are released, not failed: {dead:?}");
+    cluster.nodes[1].terminate(Duration::from_secs(20));
+    pg.forward();
     cluster.nodes[0].terminate(Duration::from_secs(30));
 }

@@ -11,7 +11,9 @@
 //! 2. **Fence** when the last successful renewal is older than
 //!    `lease − fence margin`: interrupt the in-flight calls of every slot,
 //!    drain, stop consuming. This happens before the lease can expire, so
-//!    before the leader may hand the slots to anyone else.
+//!    before the leader may hand the slots to anyone else. The fencing
+//!    deadline is a timer of its own: every database step is cut short when
+//!    it comes ([`step`]), so a stalled database cannot delay the fence.
 //! 3. **Lead**, if it holds (or can take) the leader lease. Each leader
 //!    action runs in one transaction that first locks the leader row and
 //!    re-checks the lease, so a leader that lost its lease (a pooler that
@@ -24,6 +26,16 @@
 //!    for every running call, stop consuming) and only then hand them,
 //!    epoch-checked, to the target the leader chose (epoch + 1), or set them
 //!    free when that node is gone (the leader assigns it at its next tick).
+//!
+//! 5. **Leave**, on stop: mark the node `leaving` (the leader assigns it
+//!    nothing more and picks targets for its slots), drain and release
+//!    every slot as in 4, then delete its row and give up the leader lease,
+//!    renewing the lease all along. At `cluster.drain_deadline` the calls
+//!    still running are interrupted (released to the broker, not failed); a
+//!    lease after that, a drain that still has not ended is given up and
+//!    the node exits without releasing those slots (the leader frees them
+//!    once the lease ran out). The leader also reassigns any slot whose
+//!    owner is no longer registered, whatever the order of events.
 //!
 //! All lease arithmetic is on the database clock; the node's own fencing
 //! deadline is on its monotonic clock, measured conservatively.
@@ -51,6 +63,11 @@ pub const REASSIGN_MARGIN: Duration = Duration::from_millis(500);
 /// environment variable set to `1` a node gives a slot up in the database
 /// *before* draining it, so the next owner can start while calls still run.
 pub const NEGATIVE_CONTROL_NO_DRAIN: &str = "WEIR_NEGATIVE_CONTROL_NO_DRAIN";
+
+/// Negative control for the fencing test, never for production: with this
+/// environment variable set to `1` a node fences only after its lease
+/// expired (lease + 3 ticks), so the test can show it measures lateness.
+pub const NEGATIVE_CONTROL_LATE_FENCE: &str = "WEIR_NEGATIVE_CONTROL_LATE_FENCE";
 
 /// The embedded migrations (`host/migrations`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -96,6 +113,8 @@ pub struct Coordinator {
     pool: PgPool,
     name: String,
     lease: Duration,
+    /// `cluster.drain_deadline`: how long a leaving node lets its calls run.
+    drain_deadline: Duration,
     /// Every (topology, slot) of the config, in order.
     all_slots: Vec<SlotKey>,
     slots: Arc<SlotSet>,
@@ -115,6 +134,8 @@ struct Tick {
     releasing: HashMap<SlotKey, tokio::task::JoinHandle<()>>,
     /// Epoch of each slot this node runs.
     epochs: HashMap<SlotKey, i64>,
+    /// Slots the database gave this node at the last reconcile.
+    owned: usize,
 }
 
 impl Coordinator {
@@ -123,6 +144,7 @@ impl Coordinator {
         pool: PgPool,
         name: &str,
         lease: Duration,
+        drain_deadline: Duration,
         all_slots: Vec<SlotKey>,
         slots: Arc<SlotSet>,
         ready: Arc<std::sync::atomic::AtomicBool>,
@@ -137,6 +159,7 @@ impl Coordinator {
             pool,
             name: name.to_owned(),
             lease,
+            drain_deadline,
             all_slots,
             slots,
             no_drain,
@@ -231,16 +254,22 @@ impl Coordinator {
             .await?;
             tracing::warn!(nodes = ?expired, slots = freed.rows_affected(), "leader: nodes whose lease expired were removed; their slots are free");
         }
-        // Every registered node and whether its lease is live, in one read.
-        let nodes: Vec<(Uuid, bool)> =
-            sqlx::query("SELECT node_id, lease_until > now() FROM weir_nodes ORDER BY node_id")
+        // Every registered node, whether its lease is live and whether it is
+        // leaving, in one read. `FOR SHARE`: a node marking itself leaving
+        // waits for this pass to commit, so it sees (and releases) whatever
+        // this pass gives it.
+        let nodes: Vec<(Uuid, bool, bool)> =
+            sqlx::query("SELECT node_id, lease_until > now(), leaving FROM weir_nodes ORDER BY node_id FOR SHARE")
                 .fetch_all(&mut *tx)
                 .await?
                 .iter()
-                .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1)))
+                .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1), r.get::<bool, _>(2)))
                 .collect();
-        let live: Vec<Uuid> = nodes.iter().filter(|(_, l)| *l).map(|(n, _)| *n).collect();
-        let registered: HashSet<Uuid> = nodes.iter().map(|(n, _)| *n).collect();
+        // Nodes that may be given slots: live and not leaving.
+        let live: Vec<Uuid> = nodes.iter().filter(|(_, l, leaving)| *l && !*leaving).map(|(n, ..)| *n).collect();
+        let registered: HashSet<Uuid> = nodes.iter().map(|(n, ..)| *n).collect();
+        // Registered, lease expired (not yet by the margin): may be fencing.
+        let expiring: HashSet<Uuid> = nodes.iter().filter(|(_, l, _)| !*l).map(|(n, ..)| *n).collect();
         let rows = sqlx::query(
             "SELECT topology, slot, owner, epoch, state, target FROM weir_slots ORDER BY topology, slot FOR UPDATE",
         )
@@ -265,15 +294,34 @@ impl Coordinator {
             .collect();
         let live_set: HashSet<Uuid> = live.iter().copied().collect();
         // A slot whose owner's lease expired, but not yet by the margin, is
-        // left alone: that owner may still be fencing itself.
+        // left alone: that owner may still be fencing itself. A leaving
+        // owner keeps its slots until it releases them, to the target set
+        // here when there is one.
         let current: Vec<Option<Uuid>> = rows.iter().map(|r| r.owner.filter(|o| live_set.contains(o))).collect();
         let desired = assign::assign(&live, &current);
         let mut changed = false;
         for (row, want) in rows.iter().zip(desired) {
-            let pinned = row
-                .owner
-                .is_some_and(|o| !live_set.contains(&o) && registered.contains(&o));
+            let pinned = row.owner.is_some_and(|o| expiring.contains(&o));
             if pinned || row.owner == want {
+                continue;
+            }
+            // An owner that is no longer registered left (after draining) or
+            // was removed (after fencing): nothing of it runs. Its slot
+            // would otherwise wait for a release that never comes.
+            if let Some(gone) = row.owner.filter(|o| !registered.contains(o)) {
+                sqlx::query(
+                    "UPDATE weir_slots SET owner = $4, epoch = epoch + CASE WHEN $4::uuid IS NULL THEN 0 ELSE 1 END, \
+                         state = CASE WHEN $4::uuid IS NULL THEN 'free' ELSE 'assigned' END, target = NULL, changed_at = now() \
+                     WHERE topology = $1 AND slot = $2 AND owner = $3",
+                )
+                .bind(&row.topology)
+                .bind(row.slot)
+                .bind(gone)
+                .bind(want)
+                .execute(&mut *tx)
+                .await?;
+                changed = true;
+                tracing::warn!(topology = %row.topology, slot = row.slot, gone = %gone, owner = ?want, "leader: the slot's owner is no longer registered; slot reassigned");
                 continue;
             }
             match (row.owner, want) {
@@ -342,7 +390,7 @@ impl Coordinator {
                  state = CASE WHEN t.live THEN 'assigned' ELSE 'free' END, \
                  target = NULL, changed_at = now() \
              FROM (SELECT EXISTS (SELECT 1 FROM weir_slots x JOIN weir_nodes n ON n.node_id = x.target \
-                                  WHERE x.topology = $1 AND x.slot = $2 AND n.lease_until > now()) AS live) t \
+                                  WHERE x.topology = $1 AND x.slot = $2 AND n.lease_until > now() AND NOT n.leaving) AS live) t \
              WHERE s.topology = $1 AND s.slot = $2 AND s.owner = $3 AND s.epoch = $4",
         )
         .bind(&key.0)
@@ -358,8 +406,12 @@ impl Coordinator {
         Ok(r.rows_affected() == 1)
     }
 
-    async fn reconcile(&self, st: &mut Tick) -> anyhow::Result<()> {
+    /// Start the slots assigned to this node, drain and release the ones it
+    /// is asked to give up. While `leaving`, every slot it owns is drained
+    /// and released, and none is started.
+    async fn reconcile(&self, st: &mut Tick, leaving: bool) -> anyhow::Result<()> {
         let mine = self.mine(st.node_id).await?;
+        st.owned = mine.len();
         st.releasing.retain(|_, h| !h.is_finished());
         // Slots this node runs that the database no longer gives it: it was
         // expired and removed. Fence them (should not happen: it fences first).
@@ -374,7 +426,7 @@ impl Coordinator {
             if st.releasing.contains_key(&key) {
                 continue;
             }
-            if releasing {
+            if releasing || leaving {
                 st.epochs.remove(&key);
                 let (slots, pool, id, no_drain, k) = (
                     self.slots.clone(),
@@ -383,19 +435,20 @@ impl Coordinator {
                     self.no_drain,
                     key.clone(),
                 );
+                let limit = self.db_timeout();
                 let h = tokio::spawn(async move {
                     let started = Instant::now();
                     if no_drain {
-                        let _ = Self::release(&pool, id, &k, epoch).await;
+                        let _ = bounded(limit, Self::release(&pool, id, &k, epoch)).await;
                     }
                     let report = slots.drain(&k).await;
-                    match Self::release(&pool, id, &k, epoch).await {
+                    match bounded(limit, Self::release(&pool, id, &k, epoch)).await {
                         Ok(true) => {
                             tracing::info!(topology = %k.0, slot = k.1, epoch, pause_ms = started.elapsed().as_millis(), released = report.map(|r| r.released).unwrap_or(0), "slot drained and released")
                         }
                         Ok(false) => {}
                         Err(e) => {
-                            tracing::warn!(topology = %k.0, slot = k.1, error = %format!("{e:#}"), "slot drained but releasing it failed; the leader frees it when this node's lease expires")
+                            tracing::warn!(topology = %k.0, slot = k.1, error = %format!("{e:#}"), "slot drained but releasing it failed; trying again at the next pass")
                         }
                     }
                 });
@@ -409,33 +462,68 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Give up every slot and the registration (graceful stop: the caller
-    /// has drained every slot already).
-    pub async fn leave(&self, id: Uuid) {
-        let r = async {
-            sqlx::query("UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = $1")
-                .bind(id)
-                .execute(&self.pool)
-                .await?;
-            sqlx::query("DELETE FROM weir_nodes WHERE node_id = $1").bind(id).execute(&self.pool).await?;
-            sqlx::query("UPDATE weir_leader SET lease_until = now() WHERE node_id = $1")
-                .bind(id)
-                .execute(&self.pool)
-                .await?;
-            notify(&self.pool).await?;
-            anyhow::Ok(())
-        }
-        .await;
-        match r {
-            Ok(()) => tracing::info!(node = %self.name, "left the cluster: slots freed for the others"),
-            Err(e) => {
-                tracing::warn!(node = %self.name, error = %format!("{e:#}"), "could not leave the cluster cleanly; the leader frees this node's slots when its lease expires")
-            }
-        }
+    /// Mark this node `leaving`: the leader assigns it nothing more and
+    /// moves what it owns to the others.
+    async fn mark_leaving(&self, id: Uuid) -> anyhow::Result<()> {
+        sqlx::query("UPDATE weir_nodes SET leaving = true WHERE node_id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .context("marking this node as leaving")?;
+        notify(&self.pool).await
+    }
+
+    /// Give up every slot and the registration, in one transaction (the
+    /// caller has drained every slot already, or fenced).
+    async fn leave(&self, id: Uuid) -> anyhow::Result<()> {
+        let mut tx = self.pool.begin().await.context("leaving: begin")?;
+        sqlx::query("UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM weir_nodes WHERE node_id = $1").bind(id).execute(&mut *tx).await?;
+        sqlx::query("UPDATE weir_leader SET lease_until = now() WHERE node_id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        notify(&mut *tx).await?;
+        tx.commit().await.context("leaving: commit")?;
+        Ok(())
     }
 }
 
-/// Run the coordinator until `stop`; then drain every slot and leave.
+/// Where a node is in its leaving sequence (after `stop`).
+struct Leaving {
+    /// When the stop came.
+    since: Instant,
+    /// The `leaving` mark is in the database.
+    marked: bool,
+    /// The drain deadline passed: every call was interrupted.
+    interrupted: bool,
+}
+
+/// One database step of the loop: `f`, or an error once `db_timeout` passed
+/// or the fencing deadline came, whichever is first. The fencing deadline is
+/// a timer of its own: no step can hold the loop past it.
+async fn step<T>(
+    c: &Coordinator,
+    fence_at: Option<Instant>,
+    f: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let limit = Instant::now() + c.db_timeout();
+    let until = fence_at.map_or(limit, |f| f.min(limit));
+    match tokio::time::timeout_at(until.into(), f).await {
+        Ok(r) => r,
+        Err(_) if until < limit => Err(anyhow::anyhow!("the fencing deadline came before the database answered")),
+        Err(_) => Err(anyhow::anyhow!("no answer from the database within {:?}", c.db_timeout())),
+    }
+}
+
+/// Run the coordinator until `stop`; then leave: mark the node leaving,
+/// drain and release every slot (interrupting the calls still running at
+/// `cluster.drain_deadline`), deregister. The lease is renewed throughout,
+/// and the node fences itself whenever it cannot renew in time, leaving or
+/// not.
 pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
     let mut st = Tick {
         node_id: c.register().await?,
@@ -444,32 +532,93 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
         leader: false,
         releasing: HashMap::new(),
         epochs: HashMap::new(),
+        owned: 0,
     };
     tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
-    let fence_after = c.lease.saturating_sub(fence_margin(c.lease));
+    let fence_after = if std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1") {
+        tracing::error!("{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)");
+        c.lease + TICK * 3
+    } else {
+        c.lease.saturating_sub(fence_margin(c.lease))
+    };
     let mut listener = Wakeups::default();
+    let mut leaving: Option<Leaving> = None;
     loop {
-        listener.ensure(&c).await;
+        // The fencing deadline: the last renewal sent + lease − margin
+        // (none while fenced: there is nothing left to fence).
+        let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
+        let drain_at = leaving
+            .as_ref()
+            .filter(|l| !l.interrupted)
+            .map(|l| l.since + c.drain_deadline);
+        if fence_at.is_some_and(|f| Instant::now() >= f) {
+            fence(&c, &mut st, fence_after).await;
+        } else if drain_at.is_some_and(|d| Instant::now() >= d) {
+            if let Some(l) = leaving.as_mut() {
+                l.interrupted = true;
+            }
+            tracing::warn!(node = %c.name, deadline = ?c.drain_deadline, running = ?c.slots.running(), "drain deadline: interrupting the calls still running (they are released, not failed)");
+            c.slots.interrupt_all();
+        }
+        if let Some(l) = &leaving {
+            let done = st.fenced || (l.marked && st.owned == 0 && st.releasing.is_empty() && c.slots.running().is_empty());
+            if done {
+                break;
+            }
+            // A lease after the deadline the interrupted calls have ended;
+            // a runner still not done waits on something else (the broker).
+            // Give up: stop renewing without freeing anything, so the
+            // leader frees the slots only once the lease (and the margin)
+            // ran out, by which time this process has exited.
+            if l.interrupted && l.since.elapsed() >= c.drain_deadline + c.lease {
+                let stuck = c.slots.running();
+                tracing::error!(node = %c.name, slots = ?stuck, "drain deadline + lease passed and these slots still drain; exiting without releasing them (the leader frees them when this node's lease expires)");
+                for (_, h) in st.releasing.drain() {
+                    h.abort();
+                }
+                c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                anyhow::bail!("{} slots did not finish draining: {stuck:?}", stuck.len());
+            }
+        }
+        let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
+        let give_up_at = leaving
+            .as_ref()
+            .filter(|l| l.interrupted)
+            .map(|l| l.since + c.drain_deadline + c.lease);
+        let wake_at = [fence_at, drain_at, give_up_at].into_iter().flatten().min();
+        listener.ensure(&c, fence_at).await;
         tokio::select! {
             _ = tokio::time::sleep(TICK) => {}
             () = listener.next() => {}
-            changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
+            () = sleep_until(wake_at) => continue,
+            changed = stop.changed(), if leaving.is_none() => {
+                if changed.is_err() || *stop.borrow() {
+                    tracing::info!(node = %c.name, drain_deadline = ?c.drain_deadline, "leaving the cluster: draining every slot, renewing the lease until done");
+                    c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                    leaving = Some(Leaving { since: Instant::now(), marked: false, interrupted: false });
+                }
+            }
         }
         let sent = Instant::now();
-        match bounded(c.db_timeout(), c.renew(st.node_id)).await {
+        match step(&c, fence_at, c.renew(st.node_id)).await {
             Ok(true) => {
                 if st.fenced {
                     tracing::info!(node = %c.name, "database reachable again; lease renewed");
                 }
                 st.renewed = Some(sent);
                 st.fenced = false;
-                c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                if leaving.is_none() {
+                    c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
             }
             Ok(false) => {
                 // Expired: whatever we held may be someone else's now.
                 tracing::warn!(node = %c.name, id = %st.node_id, "this node's lease had expired; stopping every slot and registering again as a new node");
                 fence_all(&c, &mut st).await;
-                match bounded(c.db_timeout(), c.register()).await {
+                if leaving.is_some() {
+                    break;
+                }
+                match step(&c, None, c.register()).await {
                     Ok(id) => {
                         st.node_id = id;
                         st.renewed = Some(sent);
@@ -482,42 +631,76 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
             }
             Err(e) => tracing::warn!(node = %c.name, error = %format!("{e:#}"), "lease renewal failed"),
         }
-        let since = st.renewed.map_or(Duration::MAX, |r| r.elapsed());
-        if since >= fence_after {
-            if !st.fenced {
-                tracing::error!(
-                    node = %c.name,
-                    since_renewal_ms = since.as_millis(),
-                    lease_ms = c.lease.as_millis(),
-                    "cannot renew the lease: fencing (interrupting calls, stopping every slot) before it expires"
-                );
-                fence_all(&c, &mut st).await;
-                tracing::error!(node = %c.name, "fenced: consuming nothing until the database is back");
-            }
+        if st.renewed.is_none_or(|r| r.elapsed() >= fence_after) {
+            fence(&c, &mut st, fence_after).await;
             continue;
         }
-        match bounded(c.db_timeout(), c.try_lead(st.node_id)).await {
-            Ok(lead) => {
-                if lead != st.leader {
-                    tracing::info!(node = %c.name, leader = lead, "leadership changed");
-                }
-                st.leader = lead;
-                if lead && let Err(e) = bounded(c.db_timeout(), c.lead(st.node_id)).await {
-                    tracing::warn!(error = %format!("{e:#}"), "leader pass failed");
-                }
+        let fence_at = st.renewed.map(|r| r + fence_after);
+        if let Some(l) = leaving.as_mut().filter(|l| !l.marked) {
+            match step(&c, fence_at, c.mark_leaving(st.node_id)).await {
+                Ok(()) => l.marked = true,
+                Err(e) => tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying"),
             }
-            Err(e) => tracing::warn!(error = %format!("{e:#}"), "leader lease check failed"),
         }
-        if let Err(e) = bounded(c.db_timeout(), c.reconcile(&mut st)).await {
+        // A leaving node keeps the leadership it has (and its duties) but
+        // does not take it.
+        if leaving.is_none() || st.leader {
+            match step(&c, fence_at, c.try_lead(st.node_id)).await {
+                Ok(lead) => {
+                    if lead != st.leader {
+                        tracing::info!(node = %c.name, leader = lead, "leadership changed");
+                    }
+                    st.leader = lead;
+                    if lead && let Err(e) = step(&c, fence_at, c.lead(st.node_id)).await {
+                        tracing::warn!(error = %format!("{e:#}"), "leader pass failed");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "leader lease check failed"),
+            }
+        }
+        if let Err(e) = step(&c, fence_at, c.reconcile(&mut st, leaving.is_some())).await {
             tracing::warn!(error = %format!("{e:#}"), "reconciling this node's slots failed");
         }
     }
+    // Every slot is drained (or fenced): give up what is left and the
+    // registration. Bounded: a database that does not answer lets the lease
+    // expire, and the leader frees the slots then.
     for (_, h) in st.releasing.drain() {
-        let _ = h.await;
+        h.abort();
     }
-    c.slots.drain_all().await;
-    c.leave(st.node_id).await;
+    c.slots.fence_all().await;
+    match bounded(c.db_timeout() * 2, c.leave(st.node_id)).await {
+        Ok(()) => tracing::info!(node = %c.name, "left the cluster: slots freed for the others"),
+        Err(e) => {
+            tracing::warn!(node = %c.name, error = %format!("{e:#}"), "could not leave the cluster cleanly; the leader frees this node's slots when its lease expires")
+        }
+    }
     Ok(())
+}
+
+/// Sleep until `at`; never returns without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Fence, unless fenced already.
+async fn fence(c: &Coordinator, st: &mut Tick, fence_after: Duration) {
+    if st.fenced {
+        return;
+    }
+    let since = st.renewed.map_or(Duration::MAX, |r| r.elapsed());
+    tracing::error!(
+        node = %c.name,
+        since_renewal_ms = since.as_millis(),
+        fence_after_ms = fence_after.as_millis(),
+        lease_ms = c.lease.as_millis(),
+        "cannot renew the lease: fencing (interrupting calls, stopping every slot) before it expires"
+    );
+    fence_all(c, st).await;
+    tracing::error!(node = %c.name, "fenced: consuming nothing until the database is back");
 }
 
 /// Channel of the change notifications (`NOTIFY weir_slots`).
@@ -544,7 +727,7 @@ struct Wakeups {
 }
 
 impl Wakeups {
-    async fn ensure(&mut self, c: &Coordinator) {
+    async fn ensure(&mut self, c: &Coordinator, fence_at: Option<Instant>) {
         if self.listener.is_some() || self.tried.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
             return;
         }
@@ -554,7 +737,7 @@ impl Wakeups {
             l.listen(CHANNEL).await?;
             anyhow::Ok(l)
         };
-        match bounded(c.db_timeout(), connect).await {
+        match step(c, fence_at, connect).await {
             Ok(l) => self.listener = Some(l),
             Err(e) => tracing::debug!(error = %format!("{e:#}"), "cannot listen for cluster changes; ticking only"),
         }

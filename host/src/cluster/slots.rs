@@ -1,11 +1,20 @@
 //! The slots a node runs, started and stopped one at a time: the static
 //! modes start them all at once; the coordinator starts, drains and fences
 //! them as assignments change.
+//!
+//! Draining is cancel-safe: each slot's runner is awaited by a task of its
+//! own (spawned with the runner), which removes the slot from the set when
+//! the runner ends and keeps its report for the first drainer. A drain only
+//! sends the stop and waits for that task, so a drain that is cancelled (a
+//! timeout, an aborted release) leaves nothing behind: the runner still
+//! stops, the slot still leaves the set, and any later drain waits for the
+//! same end.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -19,27 +28,62 @@ pub type SlotKey = (String, u32);
 /// starts a new runner (after a connection fault).
 pub type CancelCell = Arc<Mutex<Arc<AtomicBool>>>;
 
+/// What runs a slot until its stop turns true: `crate::node::supervise_slot`
+/// in a node; a test's own runner in the unit tests.
+pub type Supervisor = Arc<
+    dyn Fn(Arc<Pipeline>, SlotSettings, watch::Receiver<bool>, CancelCell) -> BoxFuture<'static, anyhow::Result<RunnerReport>>
+        + Send
+        + Sync,
+>;
+
+/// The end of one runner: true once it ended (and left the set); its
+/// report, taken by the first drainer.
+struct Ended {
+    done: watch::Receiver<bool>,
+    report: Arc<Mutex<Option<RunnerReport>>>,
+}
+
 struct Running {
+    /// Tells this runner apart from a later one of the same slot.
+    generation: u64,
     stop: watch::Sender<bool>,
     cancel: CancelCell,
-    task: Option<JoinHandle<anyhow::Result<RunnerReport>>>,
+    done: watch::Receiver<bool>,
+    report: Arc<Mutex<Option<RunnerReport>>>,
 }
+
+type Map = Arc<Mutex<BTreeMap<SlotKey, Running>>>;
 
 /// See the module docs.
 pub struct SlotSet {
     pipeline: Arc<Pipeline>,
     /// Settings per topology; the slot number is filled in at start.
     templates: HashMap<String, SlotSettings>,
-    running: Mutex<BTreeMap<SlotKey, Running>>,
+    running: Map,
+    generations: std::sync::atomic::AtomicU64,
+    supervisor: Supervisor,
 }
 
 impl SlotSet {
-    /// A set with nothing running.
+    /// A set with nothing running; each slot runs `crate::node::supervise_slot`.
     pub fn new(pipeline: Arc<Pipeline>, templates: HashMap<String, SlotSettings>) -> Self {
+        let supervisor: Supervisor = Arc::new(|p, s, stop, cancel| Box::pin(crate::node::supervise_slot(p, s, stop, cancel)));
+        Self::with_supervisor(pipeline, templates, supervisor)
+    }
+
+    /// A set whose slots run `supervisor` (tests).
+    #[doc(hidden)]
+    pub fn with_supervisor(
+        pipeline: Arc<Pipeline>,
+        templates: HashMap<String, SlotSettings>,
+        supervisor: Supervisor,
+    ) -> Self {
         Self {
             pipeline,
             templates,
-            running: Mutex::new(BTreeMap::new()),
+            running: Arc::default(),
+            generations: std::sync::atomic::AtomicU64::new(0),
+            supervisor,
         }
     }
 
@@ -58,18 +102,37 @@ impl SlotSet {
         settings.counters = self.pipeline.stats.slot(&settings.topology, key.1);
         let (stop, stop_rx) = watch::channel(false);
         let cancel: CancelCell = Arc::new(Mutex::new(Arc::new(AtomicBool::new(false))));
-        let task = tokio::spawn(crate::node::supervise_slot(
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let task = tokio::spawn((self.supervisor)(
             self.pipeline.clone(),
             settings,
             stop_rx,
             cancel.clone(),
         ));
+        let (done_tx, done) = watch::channel(false);
+        let report = Arc::new(Mutex::new(None));
+        // The runner's end is awaited here, not by whoever drains: a
+        // drainer that is cancelled cannot lose it.
+        let (map, k, cell) = (self.running.clone(), key.clone(), report.clone());
+        tokio::spawn(async move {
+            let r = join(&k, task).await;
+            *cell.lock() = Some(r);
+            {
+                let mut running = map.lock();
+                if running.get(&k).is_some_and(|r| r.generation == generation) {
+                    running.remove(&k);
+                }
+            }
+            let _ = done_tx.send(true);
+        });
         running.insert(
             key.clone(),
             Running {
+                generation,
                 stop,
                 cancel,
-                task: Some(task),
+                done,
+                report,
             },
         );
         true
@@ -86,21 +149,22 @@ impl SlotSet {
     }
 
     /// Stop taking messages of `key`, return unstarted ones, wait for every
-    /// running call, stop consuming. `None` if it did not run.
+    /// running call, stop consuming. `None` if it did not run, or when
+    /// another drain of the same runner took the report. Cancel-safe.
     pub async fn drain(&self, key: &SlotKey) -> Option<RunnerReport> {
-        let task = {
-            let mut running = self.running.lock();
-            let r = running.get_mut(key)?;
+        let ended = {
+            let running = self.running.lock();
+            let r = running.get(key)?;
             let _ = r.stop.send(true);
-            r.task.take()
+            Ended {
+                done: r.done.clone(),
+                report: r.report.clone(),
+            }
         };
-        let report = match task {
-            Some(t) => join(key, t).await,
-            // Someone else is draining it; they remove it.
-            None => return None,
-        };
-        self.running.lock().remove(key);
-        Some(report)
+        let Ended { mut done, report } = ended;
+        // Err: the watcher task is gone (the runtime shuts down); nothing to wait for.
+        let _ = done.wait_for(|d| *d).await;
+        report.lock().take()
     }
 
     /// Interrupt the running calls of `key`, then drain it (ownership lost).
@@ -109,6 +173,15 @@ impl SlotSet {
             r.cancel.lock().store(true, Ordering::Relaxed);
         }
         self.drain(key).await
+    }
+
+    /// Interrupt the running calls of every slot without draining them:
+    /// drains in progress end as soon as those calls do (the drain deadline
+    /// of a leaving node).
+    pub fn interrupt_all(&self) {
+        for r in self.running.lock().values() {
+            r.cancel.lock().store(true, Ordering::Relaxed);
+        }
     }
 
     /// Drain every slot at once; reports in slot order.
@@ -120,9 +193,7 @@ impl SlotSet {
 
     /// Fence every slot at once.
     pub async fn fence_all(&self) -> Vec<RunnerReport> {
-        for r in self.running.lock().values() {
-            r.cancel.lock().store(true, Ordering::Relaxed);
-        }
+        self.interrupt_all();
         self.drain_all().await
     }
 }
@@ -138,5 +209,113 @@ async fn join(key: &SlotKey, task: JoinHandle<anyhow::Result<RunnerReport>>) -> 
             tracing::error!(topology = %key.0, slot = key.1, error = %e, "slot runner panicked");
             RunnerReport::default()
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+    use crate::retry::schedule::{Redelivery, RetryPolicy};
+
+    /// A set of one topology `t` whose runners wait for their stop, then
+    /// for a permit of `gate` (a call still running), then end.
+    fn set(gate: Arc<Semaphore>) -> SlotSet {
+        let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeOptions::default()).unwrap();
+        let pipeline = Arc::new(Pipeline {
+            transport: Arc::new(crate::transport::memory::MemoryBroker::new()),
+            pool: Arc::new(crate::runtime::pool::WorkerPool::new(runtime, 1).unwrap()),
+            router: Arc::new(crate::router::Router::new()),
+            stats: Arc::default(),
+            observer: None,
+        });
+        let settings = SlotSettings {
+            topology: Arc::from("t"),
+            slot: 0,
+            counters: Arc::default(),
+            slots: 2,
+            max_concurrent_groups: 1,
+            max_unordered: 1,
+            prefetch: 1,
+            max_run: 1,
+            schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
+            bypass_lanes: false,
+            bypass_batch_lanes: false,
+        };
+        let supervisor: Supervisor = Arc::new(move |_, _, mut stop, _| {
+            let gate = gate.clone();
+            Box::pin(async move {
+                let _ = stop.wait_for(|s| *s).await;
+                gate.acquire().await.unwrap().forget();
+                Ok(RunnerReport {
+                    received: 7,
+                    ..RunnerReport::default()
+                })
+            })
+        });
+        SlotSet::with_supervisor(pipeline, HashMap::from([("t".to_owned(), settings)]), supervisor)
+    }
+
+    /// A drain cut short by a timeout leaves no trace: the next drain waits
+    /// for the same runner's end and gets its report, the slot leaves the
+    /// set, and it can be started (consumed) again.
+    #[tokio::test]
+    async fn a_drain_cancelled_midway_is_finished_by_the_next() {
+        let gate = Arc::new(Semaphore::new(0));
+        let set = set(gate.clone());
+        let key: SlotKey = ("t".into(), 1);
+        assert!(set.start(&key));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), set.drain(&key)).await.is_err(),
+            "the runner is held by its running call"
+        );
+        assert!(set.is_running(&key), "still draining");
+        let again = tokio::spawn({
+            let set = Arc::new(set);
+            let key = key.clone();
+            async move {
+                let r = set.drain(&key).await;
+                (set, r)
+            }
+        });
+        gate.add_permits(1);
+        let (set, report) = again.await.unwrap();
+        assert_eq!(report.map(|r| r.received), Some(7), "the second drain waited for the runner's end");
+        assert!(!set.is_running(&key), "a drained slot leaves the set");
+        assert!(set.start(&key), "and can be consumed again");
+        gate.add_permits(1);
+        assert!(set.drain(&key).await.is_some());
+    }
+
+    /// `fence_all` aborts the releases in progress (their drains): the
+    /// drain it does itself still waits for those runners' end.
+    #[tokio::test]
+    async fn an_aborted_drain_task_is_waited_for_by_drain_all() {
+        let gate = Arc::new(Semaphore::new(0));
+        let set = Arc::new(set(gate.clone()));
+        let key: SlotKey = ("t".into(), 0);
+        assert!(set.start(&key));
+        let release = tokio::spawn({
+            let (set, key) = (set.clone(), key.clone());
+            async move { set.drain(&key).await }
+        });
+        // The release task has sent the stop (it is parked on the runner's end).
+        while !set.running.lock().get(&key).is_some_and(|r| *r.stop.borrow()) {
+            tokio::task::yield_now().await;
+        }
+        release.abort();
+        let _ = release.await;
+        let all = tokio::spawn({
+            let set = set.clone();
+            async move { set.fence_all().await }
+        });
+        gate.add_permits(1);
+        let reports = all.await.unwrap();
+        assert_eq!(reports.len(), 1, "fence_all waited for the slot whose release was aborted");
+        assert!(set.running().is_empty());
     }
 }

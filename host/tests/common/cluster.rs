@@ -16,7 +16,12 @@ use weir::journal::{self, Report};
 use weir::partition;
 use weir::transport::Transport;
 
-const WEIR: &str = env!("CARGO_BIN_EXE_weir");
+/// The `weir` binary the nodes run: `WEIR_TEST_BIN` when set (a copy of
+/// this worktree's build: the shared target directory's `debug/weir` is
+/// relinked by every worktree that builds), else Cargo's.
+pub fn weir_bin() -> String {
+    std::env::var("WEIR_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_weir").to_owned())
+}
 
 /// One `weir run` process.
 pub struct NodeProc {
@@ -124,7 +129,7 @@ impl Cluster {
         let log = dir.join(format!("{name}.log"));
         let journal = dir.join(format!("{name}.journal"));
         let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(WEIR)
+        let child = Command::new(weir_bin())
             .args(["run", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "warn,weir=info")
