@@ -925,7 +925,14 @@ async fn floor_poller(
             }
         };
         let delivered = info.delivered.stream_sequence;
-        let ack_floor = info.ack_floor.stream_sequence;
+        // Nothing awaiting an ack: caught up, whatever the floor says (a
+        // filtered consumer's delivered position moves past the stream's
+        // other subjects at each pull request, its ack floor does not).
+        let ack_floor = if info.num_ack_pending == 0 {
+            delivered
+        } else {
+            info.ack_floor.stream_sequence
+        };
         let stalled_for = clock.observe(delivered, ack_floor, Instant::now()).unwrap_or_default();
         monitor.update(FloorState {
             topology: topology.to_string(),
@@ -1446,20 +1453,20 @@ mod tests {
     }
 
     #[test]
-    fn slot_consumer_writes_the_ladder_as_backoff() {
+    fn slot_consumer_leaves_the_ladder_to_the_host() {
         let mut spec = TopologySpec::new("t", 2);
         spec.retry = RetryPolicy::new(vec![Duration::from_secs(1), Duration::from_secs(2)], 4);
         let c = slot_consumer_config(&spec, 1, 64);
         assert_eq!(c.durable_name.as_deref(), Some("weir-t-1"));
         assert_eq!(c.filter_subject, "weir.t.slot.1");
-        assert_eq!(c.backoff, spec.retry.ladder);
         assert_eq!(c.ack_wait, Duration::from_secs(1));
-        assert_eq!(c.max_deliver, 4);
+        // The host counts failures and times retries: the server never gives up.
+        assert_eq!(c.max_deliver, -1);
+        assert!(c.backoff.is_empty());
         assert_eq!(c.max_ack_pending, 64);
         assert_eq!(c.ack_policy, AckPolicy::Explicit);
-        // unlimited with a ladder: the server refuses MaxDeliver -1 beside a BackOff
         spec.retry = RetryPolicy::new(vec![Duration::from_secs(1)], 0);
-        assert_eq!(slot_consumer_config(&spec, 0, 1).max_deliver, UNLIMITED_WITH_BACKOFF);
+        assert_eq!(slot_consumer_config(&spec, 0, 1).max_deliver, -1);
         spec.retry = RetryPolicy::new(vec![], 0);
         let c = slot_consumer_config(&spec, 0, 0);
         assert_eq!(c.ack_wait, NATS_DEFAULT_ACK_WAIT);
