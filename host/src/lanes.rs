@@ -293,6 +293,14 @@ const BYPASS_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
 
 type LaneMap = HashMap<u64, Lane, nohash_hasher::BuildNoHashHasher<u64>>;
 
+/// Take a lane's queue for release at a drain (its batch members counted).
+fn take_queue(stats: &Stats, lane: &mut Lane) -> Vec<Delivery> {
+    let members = lane.queue.iter().filter(|q| q.batch.is_some()).count() as u64;
+    stats.batch_released.fetch_add(members, Ordering::Relaxed);
+    lane.lingering = None;
+    lane.queue.drain(..).map(|q| q.d).collect()
+}
+
 /// Deliveries a runner takes from the subscription before it schedules.
 const BURST: usize = 512;
 
@@ -413,7 +421,7 @@ impl SlotRunner {
             }
         }
         s.counters.set_depth(0, 0);
-        self.drain().await;
+        self.drain(sub.as_mut()).await;
         sub.close().await;
         drop(sub);
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner drained");
@@ -423,35 +431,69 @@ impl SlotRunner {
         Ok(self.report)
     }
 
-    /// Return every unstarted delivery (members of unfinished batches
-    /// included), then wait for every job in flight.
-    async fn drain(&mut self) {
-        let mut pending: Vec<Delivery> = self.unordered.drain(..).collect();
-        let mut batch_members = 0;
-        for lane in self.lanes.values_mut() {
-            batch_members += lane.queue.iter().filter(|q| q.batch.is_some()).count() as u64;
-            pending.extend(lane.queue.drain(..).map(|q| q.d));
-            lane.lingering = None;
+    /// Stop the subscription first, so nothing more is delivered into this
+    /// draining runner: what had already been sent to it is taken into its
+    /// lanes, unstarted, until the subscription ends. A subscription that
+    /// cannot end that way (RabbitMQ) has its unstarted deliveries released
+    /// at once, as the broker redelivers them elsewhere only when the
+    /// channel closes. Then wait for every job in flight, and release the
+    /// rest. Releases go out one after another in arrival order (the
+    /// broker's position), so each group's messages return head first and
+    /// the broker can hand them to the next owner in order; none is sent
+    /// while the subscription could still take it back. A release is never
+    /// a failure: it does not count as an attempt.
+    async fn drain(&mut self, sub: &mut dyn crate::transport::Subscription) {
+        let mut collecting = sub.stop().await;
+        self.ready.clear();
+        self.lingering.clear();
+        let stats = self.p.stats.clone();
+        if !collecting {
+            let mut idle: Vec<Delivery> = self.unordered.drain(..).collect();
+            for lane in self.lanes.values_mut() {
+                idle.extend(take_queue(&stats, lane));
+            }
+            self.queued = 0;
+            self.release(idle).await;
+        }
+        while collecting || !self.inflight.is_empty() {
+            tokio::select! {
+                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
+                    self.report.drained.push(done.kind());
+                    self.finish(done);
+                }
+                next = sub.next(), if collecting => match next {
+                    Some(Ok(d)) => {
+                        self.report.received += 1;
+                        self.accept(d);
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(topology = %self.s.topology, slot = self.s.slot, error = %e, "subscription error while draining");
+                        collecting = false;
+                    }
+                    None => collecting = false,
+                },
+            }
         }
         self.ready.clear();
         self.lingering.clear();
+        let mut rest: Vec<Delivery> = self.unordered.drain(..).collect();
+        for lane in self.lanes.values_mut() {
+            rest.extend(take_queue(&stats, lane));
+        }
+        self.lanes.clear();
         self.queued = 0;
+        self.release(rest).await;
+    }
+
+    /// Release `pending` one after another in arrival order.
+    async fn release(&mut self, mut pending: Vec<Delivery>) {
+        pending.sort_by_key(|d| d.tag);
         self.report.released += pending.len() as u64;
-        self.p.stats.batch_released.fetch_add(batch_members, Ordering::Relaxed);
-        let stats = self.p.stats.clone();
-        futures::future::join_all(pending.into_iter().map(|d| {
-            let stats = stats.clone();
-            async move {
-                if let Err(e) = d.acker.settle(Disposition::Release).await {
-                    tracing::warn!(tag = d.tag, error = %e, "release at drain failed; the broker redelivers it");
-                }
-                stats.record(Outcome::Released);
+        for d in pending {
+            if let Err(e) = d.acker.settle(Disposition::Release).await {
+                tracing::warn!(tag = d.tag, error = %e, "release at drain failed; the broker redelivers it");
             }
-        }))
-        .await;
-        while let Some(done) = self.inflight.next().await {
-            self.report.drained.push(done.kind());
-            self.finish(done);
+            self.p.stats.record(Outcome::Released);
         }
     }
 

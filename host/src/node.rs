@@ -327,9 +327,10 @@ impl Node {
             );
             owned.extend(slots.into_iter().map(|slot| (t.name.clone(), slot)));
             all_slots.extend((0..t.slots).map(|slot| (t.name.clone(), slot)));
-            // Every node forwards the ingress: the queue has a single active
-            // consumer, so one forwarder runs at a time (in order) and
-            // another takes over when it goes away.
+            // Every node forwards the ingress, in order: the RabbitMQ queue
+            // has a single active consumer, and the JetStream consumer hands
+            // out one unacknowledged message at a time (transport::nats,
+            // "Ingress"), so forwarders on several nodes never reorder it.
             forwarders.spawn(forward_ingress(
                 pipeline.clone(),
                 Arc::from(t.name.as_str()),
@@ -459,6 +460,8 @@ impl Node {
                 "ingress forwarder stopped"
             );
         }
+        // Acks published without an answer must have left before the exit.
+        self.pipeline.transport.close().await;
         Ok(reports)
     }
 }

@@ -173,9 +173,9 @@ async fn cascades_and_ingress_come_through_the_slot_subjects() {
     h.shutdown().await;
 }
 
-/// The ladder is the server's: a retrying message is redelivered after each
-/// rung (measured start to start, since the server's timer starts at the
-/// delivery), and the host never naks it. The handler runs on
+/// The ladder times each failed attempt: a retrying message is naked with
+/// its rung's delay (never a plain Nak) and the server redelivers it after
+/// that rung (measured start to start). The handler runs on
 /// `max_deliver - 1` deliveries (the capture reserve), then the message is
 /// dead-lettered with every provenance header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,8 +231,9 @@ async fn retry_gaps_follow_the_backoff() {
 }
 
 /// Negative control for `retry_gaps_follow_the_backoff`: a consumer with the
-/// same BackOff that answers each delivery with a plain Nak gets every
-/// delivery at once. A host that naked a retry would fail the test above.
+/// ladder as its BackOff that answers each delivery with a plain Nak gets
+/// every delivery at once. A host that naked a retry without the rung's
+/// delay would fail the test above.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_a_plain_nak_burns_the_ladder() {
     let topo = Topo::new();
@@ -243,10 +244,20 @@ async fn negative_control_a_plain_nak_burns_the_ladder() {
     };
     let transport = Nats::new(url(), "weir nak control");
     transport.declare(&spec).await.unwrap();
-    // The slot's own consumer, as Weir configures it.
-    drop(transport.subscribe(&topo.name, 0, 16).await.unwrap());
+    // A consumer with the BackOff on the slot's subject (Weir's own has
+    // none: it naks with the rung's delay).
     let consumer: jetstream::consumer::PullConsumer = js
-        .get_consumer_from_stream(names::slot_consumer(&topo.name, 0), names::stream(&topo.name))
+        .create_consumer_on_stream(
+            pull::Config {
+                durable_name: Some("nak-control".into()),
+                filter_subject: names::slot_subject(&topo.name, 0),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                max_deliver: 5,
+                backoff: vec![secs(1), secs(2), secs(3)],
+                ..Default::default()
+            },
+            names::stream(&topo.name),
+        )
         .await
         .unwrap();
     assert_eq!(consumer.cached_info().config.backoff, vec![secs(1), secs(2), secs(3)]);
@@ -293,27 +304,43 @@ async fn reject_is_dead_lettered_at_once() {
 }
 
 /// The dead-letter stream is gone: the capture fails, the message is left for
-/// the server's redelivery (`requeued`) rather than acked, the reserved
-/// delivery retries only the capture (the handler does not run again), and
-/// with no delivery left it ends `stranded`, counted.
+/// a later delivery (`requeued`) rather than acked, the deliveries after the
+/// handler's last retry only the capture (the handler does not run again),
+/// and since the host counts failures and the server never gives up on a
+/// message, it is never `stranded`: once the stream is back, the capture
+/// succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_capture_is_retried_on_the_reserve_then_stranded() {
+async fn failed_capture_is_retried_until_the_dead_letter_stream_is_back() {
     let mut h = start(1, &[ms(500), ms(500)], 3).await;
     let js = js_at(&url()).await;
     js.delete_stream(names::dead_letter_stream(&h.name)).await.unwrap();
     let m = msg("retry", Some("s"), "x");
     h.publish(&m).await;
-    h.wait_for(&m.id, Outcome::Stranded, secs(20)).await;
-    assert_eq!(
-        h.settled_of(&m.id),
-        vec![Outcome::RetryScheduled, Outcome::Requeued, Outcome::Stranded]
-    );
+    let start = Instant::now();
+    while h.settled_of(&m.id).iter().filter(|o| **o == Outcome::Requeued).count() < 2 {
+        assert!(start.elapsed() < secs(20), "settled so far: {:?}", h.settled_of(&m.id));
+        tokio::time::sleep(ms(20)).await;
+    }
+    js.create_stream(stream::Config {
+        name: names::dead_letter_stream(&h.name),
+        subjects: vec![names::dead_letter(&h.name)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    h.wait_for(
+        &m.id,
+        Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted),
+        secs(20),
+    )
+    .await;
+    let settled = h.settled_of(&m.id);
+    assert_eq!(settled[0], Outcome::RetryScheduled);
+    assert!(settled[1..settled.len() - 1].iter().all(|o| *o == Outcome::Requeued), "{settled:?}");
     let attempts: Vec<u32> = h.obs.calls.of(&m.id).iter().map(|c| c.attempt).collect();
-    assert_eq!(attempts, vec![1, 2], "delivery 3 only retries the capture");
+    assert_eq!(attempts, vec![1, 2], "later deliveries only retry the capture");
     let snap = h.node().stats().snapshot();
-    assert_eq!(snap.stranded, 1);
-    assert_eq!(snap.requeued, 1);
-    assert_eq!(snap.dead_lettered_total(), 0);
+    assert_eq!(snap.stranded, 0);
     h.shutdown().await;
 }
 
@@ -327,10 +354,9 @@ async fn server_refuses_a_backoff_as_long_as_max_deliver() {
     let mut spec = TopologySpec::new(&topo.name, 1);
     spec.retry = weir::retry::schedule::RetryPolicy::new(vec![secs(1), secs(2), secs(3)], 3);
     transport.declare(&spec).await.unwrap();
-    let refused = transport.subscribe(&topo.name, 0, 8).await.err().expect("refused");
-    assert!(refused.detail.contains("10116"), "{refused}");
-    assert!(refused.detail.contains("weir-"), "names the consumer: {refused}");
-    // The pure check says the same before the server is asked.
+    // Weir writes no BackOff (the host times retries and counts failures),
+    // so its consumer binds; the pure check still refuses the policy.
+    drop(transport.subscribe(&topo.name, 0, 8).await.expect("no BackOff, nothing to refuse"));
     let check = spec
         .retry
         .schedule(weir::retry::schedule::Redelivery::JETSTREAM)
@@ -351,8 +377,8 @@ async fn server_refuses_a_backoff_as_long_as_max_deliver() {
         .await
         .expect_err("refused");
     assert!(e.to_string().contains("10116"), "{e}");
-    // Unlimited deliveries beside a BackOff are refused too (MaxDeliver -1):
-    // Weir writes a finite stand-in instead, and such a consumer binds.
+    // Unlimited deliveries beside a BackOff are refused too (MaxDeliver -1);
+    // Weir's consumer has no BackOff, so it is unlimited as it is.
     let unlimited = pull::Config {
         durable_name: Some("unlimited".into()),
         filter_subject: names::slot_subject(&topo.name, 0),
@@ -378,10 +404,7 @@ async fn server_refuses_a_backoff_as_long_as_max_deliver() {
         .get_consumer_from_stream(names::slot_consumer(&topo.name, 0), names::stream(&topo.name))
         .await
         .unwrap();
-    assert_eq!(
-        c.cached_info().config.max_deliver,
-        weir::transport::nats::UNLIMITED_WITH_BACKOFF
-    );
+    assert_eq!(c.cached_info().config.max_deliver, -1);
 
     let cfg = pull::Config {
         durable_name: Some("normalised".into()),

@@ -147,6 +147,18 @@ pub trait Subscription: Send {
     /// coalesced) before it is dropped. Called after the drain; the default
     /// has nothing to do.
     async fn close(&mut self) {}
+
+    /// Stop taking deliveries (the start of a drain): the broker delivers
+    /// nothing more to this subscription. Returns true when [`next`] then
+    /// yields the deliveries that had already reached the node and ends
+    /// with `None` (JetStream, whose pull requests would otherwise keep
+    /// delivering into a draining node); false (the default) when the
+    /// subscription has no such end, and the caller simply stops reading.
+    ///
+    /// [`next`]: Subscription::next
+    async fn stop(&mut self) -> bool {
+        false
+    }
 }
 
 /// A topology as the transport needs to know it.
@@ -239,4 +251,10 @@ pub trait Transport: Send + Sync + 'static {
     fn ack_floor(&self) -> Vec<crate::floor::FloorState> {
         Vec::new()
     }
+
+    /// Put on the wire everything this transport has accepted but not yet
+    /// sent (acks that are published without an answer, on NATS), before
+    /// the process exits. Called last by `Node::shutdown`; the default has
+    /// nothing to do.
+    async fn close(&self) {}
 }

@@ -1,8 +1,9 @@
 //! NATS JetStream (async-nats). Owns the streams and consumers of a topology,
 //! the one connection a node keeps (async-nats reconnects it by itself),
 //! publishes that wait for the server's `PubAck`, slot and ingress pull
-//! consumers, the in-progress ticker that keeps a slow call from being
-//! redelivered mid-call, the ack-floor pollers, and the one function that
+//! consumers (pull requests driven here, [`Puller`]), the in-progress ticker
+//! that keeps a slow call from being redelivered mid-call, the ack-floor
+//! pollers, the failure counts of retried messages, and the one function that
 //! turns a [`Disposition`] into acks ([`NatsAcker::settle`]). Slots, lanes and
 //! the ladder arithmetic are left to the layers above.
 //!
@@ -10,15 +11,18 @@
 //! - stream `WEIR_T`, file storage, over `weir.T.slot.*` and `weir.T.ingress`
 //!   (see "Subjects" below);
 //! - a durable pull consumer `weir-T-n` per slot `n`, filter `weir.T.slot.n`,
-//!   explicit ack, `BackOff` = the retry ladder, `MaxDeliver` = `max_deliver`
-//!   (unlimited: `-1`, or [`UNLIMITED_WITH_BACKOFF`] beside a `BackOff`, which
-//!   server 2.9 requires), `AckWait` = the first rung (30 s without a
+//!   explicit ack, `MaxDeliver` -1 (unlimited: the host counts failures, see
+//!   "Attempts"), no `BackOff`, `AckWait` = the first rung (30 s without a
 //!   ladder), `MaxAckPending` = the node's prefetch. Created or updated by the
 //!   node that consumes the slot; a differing consumer is updated and the old
 //!   and new values are logged;
 //! - a durable pull consumer `weir-T-ingress` on `weir.T.ingress`, whose
-//!   messages the host forwards to their slot subject (`PubAck`, then ack);
-//! - stream `WEIR_T_DLQ` over `weir.T.dead-letter`.
+//!   messages the host forwards to their slot subject (`PubAck`, then ack),
+//!   with `MaxAckPending` 1 so that forwarders on several nodes keep the
+//!   ingress order (see "Ingress");
+//! - stream `WEIR_T_DLQ` over `weir.T.dead-letter`;
+//! - key-value bucket `WEIR_T_ATTEMPTS` (stream `KV_WEIR_T_ATTEMPTS`): the
+//!   failures of each retried message (see "Attempts").
 //!
 //! Subjects: DESIGN.md says `WEIR_T` covers `weir.T.>`. nats-server 2.9
 //! refuses two streams with overlapping subjects (error 10065, "subjects
@@ -28,12 +32,41 @@
 //! `weir.T.ingress`; every name of the contract is kept. An existing `WEIR_T`
 //! over `weir.T.>` is narrowed to these subjects (logged, messages kept).
 //!
-//! Retries are the server's ([`RetryOwner::Broker`]): a retryable failure
-//! leaves the delivery alone ([`NatsAcker::leave_for_backoff`]) and the server
-//! redelivers it when `AckWait`, shaped by `BackOff`, expires. The delivery
-//! count is the server's (the message's `attempt` is taken from it), and the
-//! host dead-letters on the last delivery minus the capture reserve, so a
-//! failed capture still has deliveries left to be retried on.
+//! Attempts: every JetStream redelivery counts against the server's delivery
+//! count, also one that only returns a message a draining node never started
+//! (`Nak`) or one lost on the wire at a handoff. So the server's count is not
+//! the message's attempt, and a server-side `MaxDeliver` would drop messages
+//! that never failed. The host counts failures itself: a retryable failure
+//! (or a failed dead-letter capture) writes the attempt that failed to the
+//! bucket under `<slot>.<stream sequence>` (confirmed by the server) and then
+//! naks the delivery with the ladder's delay for the next attempt (the
+//! server times it; a plain `Nak` would redeliver at once, LESSONS.md). A
+//! redelivery (server count above 1) reads the key: attempt = failures + 1;
+//! a first delivery reads nothing. Releases write nothing, so they are never
+//! failures. The host dead-letters by this count ([`crate::retry::schedule`]);
+//! the server never gives up on a message. If the bucket cannot be read, the
+//! delivery counts as attempt 1 and if it cannot be written the failure is
+//! not counted (both logged): a message may get extra attempts, it is never
+//! dropped nor falsely `exhausted`. Entries expire after the bucket's
+//! `max_age` (at least a week, twice the schedule's retention otherwise).
+//!
+//! Pulling: the host sends the pull requests itself
+//! (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`, one open request of
+//! short expiry, on an inbox of its own), so it can stop: at a drain,
+//! [`Subscription::stop`] sends no more requests, and the subscription ends
+//! once the open request has been fulfilled or has expired (the server's
+//! 408). Nothing more is delivered into a draining node, nothing sent to it
+//! is lost on the way, and no request of it is left on the server when it
+//! releases: nats-server 2.9 still delivers into a waiting request whose
+//! inbox was unsubscribed (counting a delivery, then requeueing the message
+//! out of order), which is why the drain does not simply unsubscribe.
+//!
+//! Ingress: a message published to the ingress subject is forwarded to its
+//! slot by whichever node the server hands it to. With one unacknowledged
+//! ingress message at a time (`MaxAckPending` 1), the next is handed out only
+//! after the previous one's forward was confirmed and acked, so forwarders on
+//! several nodes keep the order of every group (a redelivery after `AckWait`
+//! may still reorder, as any redelivery may).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -43,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::context::PublishErrorKind;
-use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
+use async_nats::jetstream::{self, AckKind, ErrorCode, kv, stream};
 use async_nats::{HeaderMap, Subject};
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -64,19 +97,18 @@ const SYSTEM: &str = "nats";
 /// `AckWait` of the ingress consumer (forwarding is quick; the ticker keeps
 /// a slow one alive).
 const INGRESS_ACK_WAIT: Duration = Duration::from_secs(30);
-/// Expiry of one pull request, and the idle heartbeat the server sends
-/// within it; a missed heartbeat ends the subscription (the supervisor
-/// subscribes again).
-const PULL_EXPIRES: Duration = Duration::from_secs(30);
-const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Expiry of one pull request. Short, because a drain waits for the open
+/// request to end before it releases anything (module docs, "Pulling"); the
+/// server's answer at expiry (408) is also the sign of life of an idle
+/// consumer.
+const PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// Messages asked for in one pull request, at most.
 const MAX_PULL_BATCH: u32 = 1024;
-/// `MaxDeliver` written for an unlimited `max_deliver` when the consumer has
-/// a `BackOff`: nats-server 2.9 refuses a `BackOff` with `MaxDeliver` -1
-/// (error 10116, "max deliver is required to be > length of backoff
-/// values"), so "unlimited" becomes this many deliveries, read back as
-/// unlimited. Without a ladder `MaxDeliver` is -1 as usual.
-pub const UNLIMITED_WITH_BACKOFF: i64 = i32::MAX as i64;
+/// A pull request the server neither fulfilled nor ended this long after its
+/// expiry ends the subscription (the supervisor subscribes again).
+const PULL_GRACE: Duration = Duration::from_secs(5);
+/// Least time a failure count is kept (the bucket's `max_age`).
+const ATTEMPTS_MIN_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Timeout of every JetStream API request (stream and consumer info,
 /// publish acks, double acks).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -116,6 +148,18 @@ pub mod names {
     pub fn dead_letter_stream(topology: &str) -> String {
         format!("WEIR_{topology}_DLQ")
     }
+    /// The key-value bucket of failure counts (module docs, "Attempts").
+    pub fn attempts_bucket(topology: &str) -> String {
+        format!("WEIR_{topology}_ATTEMPTS")
+    }
+    /// The stream behind [`attempts_bucket`] (the server's `KV_` prefix).
+    pub fn attempts_stream(topology: &str) -> String {
+        format!("KV_WEIR_{topology}_ATTEMPTS")
+    }
+    /// The key of a message's failure count: its slot and stream sequence.
+    pub fn attempts_key(slot: u32, sequence: u64) -> String {
+        format!("{slot}.{sequence}")
+    }
 }
 
 /// Knobs of the NATS transport that are not in the config file.
@@ -153,6 +197,8 @@ struct Inner {
     options: NatsOptions,
     conn: tokio::sync::Mutex<Option<Conn>>,
     topologies: Mutex<HashMap<String, TopologySpec>>,
+    /// The failure-count bucket of each declared topology.
+    attempts: Mutex<HashMap<String, kv::Store>>,
     floor: Arc<FloorMonitor>,
 }
 
@@ -200,30 +246,39 @@ fn wire_of(headers: Option<&HeaderMap>, payload: Bytes) -> Wire {
     }
 }
 
-/// The desired config of slot `slot`'s consumer.
+/// The desired config of slot `slot`'s consumer: unlimited deliveries and no
+/// `BackOff`, since the host counts failures and times each retry with a
+/// delayed `Nak` (module docs, "Attempts"); `AckWait` (the first rung) only
+/// times the redelivery of a delivery nobody settled (a node that died).
 fn slot_consumer_config(spec: &TopologySpec, slot: u32, prefetch: u32) -> pull::Config {
     let t = spec.name.as_str();
-    let ladder = &spec.retry.ladder;
     pull::Config {
         durable_name: Some(names::slot_consumer(t, slot)),
         description: Some(format!("weir: slot {slot} of topology {t}")),
         filter_subject: names::slot_subject(t, slot),
         deliver_policy: DeliverPolicy::All,
         ack_policy: AckPolicy::Explicit,
-        ack_wait: ladder.first().copied().unwrap_or(NATS_DEFAULT_ACK_WAIT),
-        max_deliver: match spec.retry.max_deliver {
-            n if n > 0 => n,
-            _ if ladder.is_empty() => -1,
-            _ => UNLIMITED_WITH_BACKOFF,
-        },
-        backoff: ladder.clone(),
+        ack_wait: spec.retry.ladder.first().copied().unwrap_or(NATS_DEFAULT_ACK_WAIT),
+        max_deliver: -1,
+        backoff: Vec::new(),
         max_ack_pending: i64::from(prefetch.max(1)),
         ..pull::Config::default()
     }
 }
 
-/// The desired config of the ingress consumer.
-fn ingress_consumer_config(topology: &str, prefetch: u32) -> pull::Config {
+/// The `max_age` of the failure-count bucket: twice the time the schedule
+/// keeps a failing message, at least [`ATTEMPTS_MIN_AGE`].
+fn attempts_max_age(spec: &TopologySpec) -> Duration {
+    spec.retry
+        .schedule(Redelivery::JETSTREAM)
+        .retention_needed()
+        .map_or(ATTEMPTS_MIN_AGE, |r| r.saturating_mul(2).max(ATTEMPTS_MIN_AGE))
+}
+
+/// The desired config of the ingress consumer: one unacknowledged message at
+/// a time, whichever node holds it, so forwarding keeps the order (module
+/// docs, "Ingress").
+fn ingress_consumer_config(topology: &str) -> pull::Config {
     pull::Config {
         durable_name: Some(names::ingress_consumer(topology)),
         description: Some(format!("weir: ingress of topology {topology}, forwarded to the slots")),
@@ -232,7 +287,7 @@ fn ingress_consumer_config(topology: &str, prefetch: u32) -> pull::Config {
         ack_policy: AckPolicy::Explicit,
         ack_wait: INGRESS_ACK_WAIT,
         max_deliver: -1,
-        max_ack_pending: i64::from(prefetch.max(1)),
+        max_ack_pending: 1,
         ..pull::Config::default()
     }
 }
@@ -293,6 +348,7 @@ impl Nats {
                 options,
                 conn: tokio::sync::Mutex::new(None),
                 topologies: Mutex::new(HashMap::new()),
+                attempts: Mutex::new(HashMap::new()),
                 floor: Arc::new(FloorMonitor::default()),
             }),
         }
@@ -396,7 +452,62 @@ impl Nats {
         self.ensure_stream(conn, &names::stream(t), names::stream_subjects(t))
             .await?;
         self.ensure_stream(conn, &names::dead_letter_stream(t), vec![names::dead_letter(t)])
-            .await
+            .await?;
+        self.ensure_attempts(conn, spec).await.map(drop)
+    }
+
+    /// The failure-count bucket of `spec` (module docs, "Attempts"): bound
+    /// when it exists (its settings are kept), created when missing.
+    async fn ensure_attempts(&self, conn: &Conn, spec: &TopologySpec) -> Result<kv::Store, TransportError> {
+        let bucket = names::attempts_bucket(&spec.name);
+        if let Some(store) = self.inner.attempts.lock().get(&spec.name) {
+            return Ok(store.clone());
+        }
+        let store = match conn.js.get_key_value(bucket.as_str()).await {
+            Ok(store) => store,
+            Err(e) if matches!(e.kind(), jetstream::context::KeyValueErrorKind::GetBucket) => {
+                let max_age = attempts_max_age(spec);
+                // The bucket's stream, as a key-value bucket is made (one
+                // value per key, rollups, direct gets), created with the
+                // plain stream API: async-nats's own bucket creation does
+                // not parse nats-server 2.9's answer.
+                let stream_name = names::attempts_stream(&spec.name);
+                conn.js
+                    .create_stream(stream::Config {
+                        name: stream_name.clone(),
+                        description: Some(format!("weir: failures of retried messages of topology {}", spec.name)),
+                        subjects: vec![format!("$KV.{bucket}.>")],
+                        max_messages_per_subject: 1,
+                        max_age,
+                        storage: stream::StorageType::File,
+                        discard: stream::DiscardPolicy::New,
+                        allow_rollup: true,
+                        deny_delete: true,
+                        allow_direct: true,
+                        ..stream::Config::default()
+                    })
+                    .await
+                    .map_err(|e| {
+                        TransportError::new(
+                            ErrorKind::Refused,
+                            format!("creating stream {stream_name} of key-value bucket {bucket} (file storage, max_age {max_age:?}): {e}"),
+                        )
+                    })?;
+                let store = conn.js.get_key_value(bucket.as_str()).await.map_err(|e| {
+                    TransportError::new(ErrorKind::Connection, format!("reading key-value bucket {bucket}: {e}"))
+                })?;
+                tracing::info!(messaging.system = SYSTEM, bucket = %bucket, ?max_age, "failure-count bucket created");
+                store
+            }
+            Err(e) => {
+                return Err(TransportError::new(
+                    ErrorKind::Connection,
+                    format!("reading key-value bucket {bucket}: {e}"),
+                ));
+            }
+        };
+        self.inner.attempts.lock().insert(spec.name.clone(), store.clone());
+        Ok(store)
     }
 
     /// The consumer `desired` on `stream`: created when missing, updated (with
@@ -480,24 +591,29 @@ impl Nats {
         let consumer_name: Arc<str> = Arc::from(info.name.as_str());
         let subject: Arc<str> = Arc::from(info.config.filter_subject.as_str());
         let ack_wait = info.config.ack_wait;
-        let max_deliver = (info.config.max_deliver > 0 && info.config.max_deliver < UNLIMITED_WITH_BACKOFF)
-            .then(|| u32::try_from(info.config.max_deliver).unwrap_or(u32::MAX));
-        let messages = consumer
-            .stream()
-            .max_messages_per_batch(prefetch.clamp(1, MAX_PULL_BATCH) as usize)
-            .expires(PULL_EXPIRES)
-            .heartbeat(PULL_HEARTBEAT)
-            .messages()
-            .await
-            .map_err(|e| {
-                TransportError::new(
-                    ErrorKind::Connection,
-                    format!(
-                        "pulling from consumer {consumer_name} of stream {}: {e}",
-                        info.stream_name
-                    ),
-                )
-            })?;
+        let attempts = match slot {
+            Some(_) => Some(self.ensure_attempts(&conn, spec).await?),
+            None => None,
+        };
+        let puller = Puller::start(
+            &conn.client,
+            &info.stream_name,
+            &info.name,
+            prefetch.clamp(1, MAX_PULL_BATCH),
+        )
+        .await
+        .map_err(|e| {
+            TransportError::new(
+                ErrorKind::Connection,
+                format!("pulling from consumer {consumer_name} of stream {}: {e}", info.stream_name),
+            )
+        })?;
+        // The delays of retries and deferred captures, served by delayed
+        // Naks (module docs, "Attempts").
+        let schedule = spec.retry.schedule(Redelivery::JetStream {
+            ack_wait: Some(ack_wait),
+            capture_reserve: crate::retry::schedule::DEFAULT_CAPTURE_RESERVE,
+        });
         let progress = Arc::new(Progress::default());
         let period = (ack_wait / 4).max(Duration::from_millis(50));
         let mut tasks = Vec::new();
@@ -524,14 +640,17 @@ impl Nats {
         }
         tracing::debug!(messaging.system = SYSTEM, topology = %topology, ?slot, consumer = %consumer_name, prefetch, ?ack_wait, "consumer bound");
         Ok(Box::new(NatsSubscription {
-            messages,
+            puller,
+            js: conn.js.clone(),
+            stash: None,
             shared: Arc::new(Shared {
                 topology,
                 slot,
                 subject,
                 stream: Arc::from(info.stream_name.as_str()),
                 consumer: consumer_name,
-                max_deliver,
+                attempts,
+                schedule,
                 progress,
             }),
             floor: self.inner.floor.clone(),
@@ -634,8 +753,9 @@ impl Transport for Nats {
         prefetch: u32,
     ) -> Result<Option<Box<dyn Subscription>>, TransportError> {
         let spec = self.spec(topology)?;
-        let desired = ingress_consumer_config(topology, prefetch);
-        self.subscribe_consumer(&spec, desired, None, prefetch).await.map(Some)
+        let _ = prefetch;
+        let desired = ingress_consumer_config(topology);
+        self.subscribe_consumer(&spec, desired, None, 1).await.map(Some)
     }
 
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
@@ -717,6 +837,17 @@ impl Transport for Nats {
     fn ack_floor(&self) -> Vec<FloorState> {
         self.inner.floor.snapshot()
     }
+
+    /// Flush the connection: acks and naks are published without an answer,
+    /// so they may still sit in the client's buffer when the node stops.
+    async fn close(&self) {
+        let conn = self.inner.conn.lock().await.clone();
+        if let Some(conn) = conn
+            && let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, conn.client.flush()).await.map_err(|_| "timed out".to_owned()).and_then(|r| r.map_err(|e| e.to_string()))
+        {
+            tracing::warn!(messaging.system = SYSTEM, error = %e, "flushing the connection at shutdown failed; acks not yet sent are redelivered");
+        }
+    }
 }
 
 /// Deliveries in flight on one subscription, kept alive with `+WPI` by the
@@ -794,7 +925,14 @@ async fn floor_poller(
             }
         };
         let delivered = info.delivered.stream_sequence;
-        let ack_floor = info.ack_floor.stream_sequence;
+        // Nothing awaiting an ack: caught up, whatever the floor says (a
+        // filtered consumer's delivered position moves past the stream's
+        // other subjects at each pull request, its ack floor does not).
+        let ack_floor = if info.num_ack_pending == 0 {
+            delivered
+        } else {
+            info.ack_floor.stream_sequence
+        };
         let stalled_for = clock.observe(delivered, ack_floor, Instant::now()).unwrap_or_default();
         monitor.update(FloorState {
             topology: topology.to_string(),
@@ -820,6 +958,180 @@ async fn floor_poller(
     }
 }
 
+/// The pull requests of one consumer, sent by the host on an inbox of its
+/// own (module docs, "Pulling"): one open request at a time, for up to
+/// `batch` messages, expiring after [`PULL_EXPIRES`]; the next is sent when
+/// it is fulfilled, expires (408) or ends (409), so the server's
+/// `MaxAckPending` alone bounds what the node holds. A request that neither
+/// brings its batch nor ends within [`PULL_GRACE`] of its expiry ends the
+/// subscription (the supervisor subscribes again).
+struct Puller {
+    client: async_nats::Client,
+    inbox: async_nats::Subscriber,
+    reply: Subject,
+    request: Subject,
+    body: Bytes,
+    batch: u32,
+    /// The open request: messages it may still bring, and when the server
+    /// forgets it.
+    open: Option<(u32, Instant)>,
+    /// Set by [`Puller::stop`]: no more requests.
+    stopped: bool,
+    ended: bool,
+}
+
+/// What one message on the inbox means.
+enum Heard {
+    Message(async_nats::Message),
+    Nothing,
+    Ended(String),
+}
+
+impl Puller {
+    async fn start(
+        client: &async_nats::Client,
+        stream: &str,
+        consumer: &str,
+        batch: u32,
+    ) -> Result<Self, async_nats::SubscribeError> {
+        let reply = Subject::from(client.new_inbox());
+        let inbox = client.subscribe(reply.clone()).await?;
+        let body = format!(
+            "{{\"batch\":{batch},\"expires\":{}}}",
+            PULL_EXPIRES.as_nanos(),
+        );
+        Ok(Self {
+            client: client.clone(),
+            inbox,
+            reply,
+            request: Subject::from(format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}")),
+            body: Bytes::from(body),
+            batch,
+            open: None,
+            stopped: false,
+            ended: false,
+        })
+    }
+
+    /// Sort one inbox message: a delivery, a status that needs nothing, or
+    /// one that ends the subscription.
+    fn hear(&mut self, m: async_nats::Message) -> Heard {
+        match m.status {
+            None => {
+                if let Some((left, _)) = &mut self.open {
+                    *left = left.saturating_sub(1);
+                    if *left == 0 {
+                        self.open = None;
+                    }
+                }
+                if m.reply.is_some() { Heard::Message(m) } else { Heard::Nothing }
+            }
+            Some(async_nats::StatusCode::IDLE_HEARTBEAT) => Heard::Nothing,
+            // The request expired, or found nothing: send another.
+            Some(async_nats::StatusCode::TIMEOUT | async_nats::StatusCode::NOT_FOUND) => {
+                self.open = None;
+                Heard::Nothing
+            }
+            Some(code) => {
+                let what = m.description.unwrap_or_default();
+                if code == async_nats::StatusCode::REQUEST_TERMINATED
+                    && !what.to_ascii_lowercase().contains("deleted")
+                {
+                    // Exceeded MaxWaiting or MaxBytes, a leadership change:
+                    // this request is over, the consumer is not.
+                    tracing::debug!(messaging.system = SYSTEM, status = %code, description = %what, "pull request ended");
+                    self.open = None;
+                    Heard::Nothing
+                } else {
+                    Heard::Ended(format!("the server answered {code} {what}"))
+                }
+            }
+        }
+    }
+
+    /// The next delivery; `None` once stopped and the open request ended.
+    /// Cancel-safe: a request sent twice is harmless, and no message is
+    /// held across an await.
+    async fn next(&mut self) -> Option<Result<async_nats::Message, String>> {
+        loop {
+            if self.ended {
+                return None;
+            }
+            if self.open.is_none() {
+                if self.stopped {
+                    self.ended = true;
+                    return None;
+                }
+                if let Err(e) = self
+                    .client
+                    .publish_with_reply(self.request.clone(), self.reply.clone(), self.body.clone())
+                    .await
+                {
+                    self.ended = true;
+                    return Some(Err(format!("sending a pull request: {e}")));
+                }
+                self.open = Some((self.batch, Instant::now() + PULL_EXPIRES));
+            }
+            let deadline = self.open.map_or_else(Instant::now, |(_, expires)| expires + PULL_GRACE);
+            match tokio::time::timeout_at(deadline.into(), self.inbox.next()).await {
+                Ok(Some(m)) => match self.hear(m) {
+                    Heard::Message(m) => return Some(Ok(m)),
+                    Heard::Nothing => {}
+                    Heard::Ended(why) => {
+                        self.ended = true;
+                        return Some(Err(why));
+                    }
+                },
+                Ok(None) => {
+                    self.ended = true;
+                    return Some(Err("the inbox subscription closed".to_owned()));
+                }
+                Err(_) if self.stopped => {
+                    tracing::warn!(messaging.system = SYSTEM, inbox = %self.reply, "the open pull request did not end in time; what it brings later is redelivered after AckWait");
+                    self.ended = true;
+                    return None;
+                }
+                Err(_) => {
+                    self.ended = true;
+                    return Some(Err(format!(
+                        "no answer to a pull request {PULL_GRACE:?} after its expiry ({PULL_EXPIRES:?})"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// A delivery already on the inbox, without waiting or asking for more.
+    fn try_next(&mut self) -> Option<Result<async_nats::Message, String>> {
+        while !self.ended {
+            let m = self.inbox.next().now_or_never()?;
+            let Some(m) = m else {
+                self.ended = true;
+                return Some(Err("the inbox subscription closed".to_owned()));
+            };
+            match self.hear(m) {
+                Heard::Message(m) => return Some(Ok(m)),
+                Heard::Nothing => {}
+                Heard::Ended(why) => {
+                    self.ended = true;
+                    return Some(Err(why));
+                }
+            }
+        }
+        None
+    }
+
+    /// Send no more pull requests: [`Puller::next`] yields what the open
+    /// request still brings and ends when it is fulfilled or expires (the
+    /// server's 408, which comes after every message of that request). Only
+    /// then is anything released, so no waiting request of this node is left
+    /// on the server to take a released message, or a new one, into an inbox
+    /// that is gone.
+    fn stop(&mut self) {
+        self.stopped = true;
+    }
+}
+
 /// What a subscription's ackers share.
 struct Shared {
     topology: Arc<str>,
@@ -828,12 +1140,19 @@ struct Shared {
     subject: Arc<str>,
     stream: Arc<str>,
     consumer: Arc<str>,
-    max_deliver: Option<u32>,
+    /// The failure-count bucket (slots only).
+    attempts: Option<kv::Store>,
+    /// The ladder, for the delay of a deferred capture.
+    schedule: crate::retry::schedule::Schedule,
     progress: Arc<Progress>,
 }
 
 struct NatsSubscription {
-    messages: pull::Stream,
+    puller: Puller,
+    js: jetstream::Context,
+    /// A redelivery whose failure count is being read: kept here across the
+    /// read so that a cancelled `next` loses nothing.
+    stash: Option<jetstream::Message>,
     shared: Arc<Shared>,
     floor: Arc<FloorMonitor>,
     /// The in-progress ticker and the floor poller: they end with the
@@ -852,30 +1171,65 @@ impl Drop for NatsSubscription {
     }
 }
 
+/// Stream sequence and server delivery count of a delivery.
+fn position(m: &jetstream::Message) -> (u64, u32) {
+    match m.info() {
+        Ok(i) => (i.stream_sequence, u32::try_from(i.delivered).unwrap_or(1).max(1)),
+        Err(_) => (0, 1),
+    }
+}
+
 impl NatsSubscription {
-    fn map(
-        &self,
-        item: Option<Result<jetstream::Message, pull::MessagesError>>,
-    ) -> Option<Result<Delivery, TransportError>> {
-        match item? {
-            Ok(m) => Some(Ok(self.delivery(m))),
+    fn error(&self, e: &str) -> TransportError {
+        let s = &self.shared;
+        tracing::warn!(messaging.system = SYSTEM, topology = %s.topology, slot = ?s.slot, consumer = %s.consumer, error = %e, "consumer ended");
+        TransportError::new(
+            ErrorKind::Connection,
+            format!("consumer {} of stream {}: {e}", s.consumer, s.stream),
+        )
+    }
+
+    fn wrap(&self, message: async_nats::Message) -> jetstream::Message {
+        jetstream::Message {
+            message,
+            context: self.js.clone(),
+        }
+    }
+
+    /// Does this delivery need its failure count read first?
+    fn needs_count(&self, m: &jetstream::Message) -> bool {
+        self.shared.attempts.is_some() && position(m).1 > 1
+    }
+
+    /// Failures of a redelivered message so far (module docs, "Attempts"):
+    /// 0 when none was recorded, or when the bucket cannot be read.
+    async fn failures(&self, sequence: u64, delivered: u32) -> u32 {
+        let s = &self.shared;
+        let (Some(kv), Some(slot)) = (&s.attempts, s.slot) else {
+            return 0;
+        };
+        let key = names::attempts_key(slot, sequence);
+        let read = kv.get(key.as_str()).await;
+        tracing::debug!(messaging.system = SYSTEM, topology = %s.topology, slot, key, delivered, read = ?read, "failure count read");
+        match read {
+            Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok()).unwrap_or_else(|| {
+                tracing::warn!(messaging.system = SYSTEM, topology = %s.topology, slot, key, "failure count does not parse; counted as none");
+                0
+            }),
+            Ok(None) => 0,
             Err(e) => {
-                let s = &self.shared;
-                tracing::warn!(messaging.system = SYSTEM, topology = %s.topology, slot = ?s.slot, consumer = %s.consumer, error = %e, "consumer ended");
-                Some(Err(TransportError::new(
-                    ErrorKind::Connection,
-                    format!("consumer {} of stream {}: {e}", s.consumer, s.stream),
-                )))
+                tracing::warn!(
+                    messaging.system = SYSTEM, topology = %s.topology, slot, sequence, delivered, error = %e,
+                    "failure count not read; the delivery counts as attempt 1 (it may get extra attempts, never a false exhausted)"
+                );
+                0
             }
         }
     }
 
-    fn delivery(&self, m: jetstream::Message) -> Delivery {
+    fn delivery(&self, m: jetstream::Message, failures: u32) -> Delivery {
         let s = &self.shared;
-        let (sequence, delivered) = match m.info() {
-            Ok(i) => (i.stream_sequence, u32::try_from(i.delivered).unwrap_or(1).max(1)),
-            Err(_) => (0, 1),
-        };
+        let (sequence, delivered) = position(&m);
         let reply = m.reply.clone();
         let (message, acker) = m.split();
         let stream = &s.stream;
@@ -886,9 +1240,11 @@ impl NatsSubscription {
                 .and_then(|h| h.get("Nats-Msg-Id"))
                 .map_or_else(|| format!("{stream}-{sequence}"), |v| v.as_str().to_owned())
         };
-        // Slot deliveries count attempts by the server's delivery count (the
+        // Slot deliveries count attempts by the host's failure count (the
         // stored message is never republished); ingress keeps the header.
-        let attempt = s.slot.map(|_| delivered);
+        let attempt = failures.saturating_add(1);
+        tracing::trace!(messaging.system = SYSTEM, consumer = %s.consumer, sequence, delivered, attempt, reply = ?reply, "delivery");
+        let counted = s.slot.map(|_| attempt);
         // Straight from the header map; through a `Wire` only when it does
         // not decode, so the capture gets the message as it came.
         let fast = message.headers.as_ref().and_then(|h| {
@@ -897,14 +1253,14 @@ impl NatsSubscription {
                     .iter()
                     .map(move |v| (AsRef::<str>::as_ref(name), Cow::Borrowed(v.as_str())))
             });
-            envelope::decode_pairs(pairs, fallback, attempt)
+            envelope::decode_pairs(pairs, fallback, counted)
         });
         let decoded = match fast {
             Some(mut env) => {
                 env.payload = Vec::from(message.payload);
                 Ok(env)
             }
-            None => envelope::decode(wire_of(message.headers.as_ref(), message.payload), fallback, attempt),
+            None => envelope::decode(wire_of(message.headers.as_ref(), message.payload), fallback, counted),
         };
         let track = reply.map(|r| s.progress.track(r));
         Delivery {
@@ -917,6 +1273,7 @@ impl NatsSubscription {
                 track,
                 sequence,
                 delivered,
+                attempt,
             }),
         }
     }
@@ -925,13 +1282,43 @@ impl NatsSubscription {
 #[async_trait]
 impl Subscription for NatsSubscription {
     async fn next(&mut self) -> Option<Result<Delivery, TransportError>> {
-        let item = self.messages.next().await;
-        self.map(item)
+        let m = match self.stash.take() {
+            Some(m) => m,
+            None => match self.puller.next().await? {
+                Ok(m) => self.wrap(m),
+                Err(e) => return Some(Err(self.error(&e))),
+            },
+        };
+        if !self.needs_count(&m) {
+            return Some(Ok(self.delivery(m, 0)));
+        }
+        // Kept in the stash while the count is read (cancel safety).
+        let (sequence, delivered) = position(&m);
+        self.stash = Some(m);
+        let failures = self.failures(sequence, delivered).await;
+        let m = self.stash.take()?;
+        Some(Ok(self.delivery(m, failures)))
     }
 
     fn try_next(&mut self) -> Option<Result<Delivery, TransportError>> {
-        let item = self.messages.next().now_or_never()?;
-        self.map(item)
+        if self.stash.is_some() {
+            return None;
+        }
+        let m = match self.puller.try_next()? {
+            Ok(m) => self.wrap(m),
+            Err(e) => return Some(Err(self.error(&e))),
+        };
+        if self.needs_count(&m) {
+            // `next` reads its count; nothing after it is taken before it.
+            self.stash = Some(m);
+            return None;
+        }
+        Some(Ok(self.delivery(m, 0)))
+    }
+
+    async fn stop(&mut self) -> bool {
+        self.puller.stop();
+        true
     }
 }
 
@@ -943,6 +1330,8 @@ struct NatsAcker {
     track: Option<u64>,
     sequence: u64,
     delivered: u32,
+    /// The host's attempt: failures so far + 1 (module docs, "Attempts").
+    attempt: u32,
 }
 
 impl Drop for NatsAcker {
@@ -955,17 +1344,33 @@ impl Drop for NatsAcker {
 }
 
 impl NatsAcker {
-    /// The retry path on JetStream: do nothing to the delivery. The server
-    /// redelivers it when `AckWait` expires, shaped by the consumer's
-    /// `BackOff` (rung `k` before delivery `k + 1`), and counts it against
-    /// `MaxDeliver`. A plain `Nak` would redeliver at once and burn the whole
-    /// ladder in milliseconds (LESSONS.md); this absent call is the
-    /// behaviour, pinned by `nats_compliance::retry_gaps_follow_the_backoff`.
-    /// The in-progress ticker stops vouching for the delivery here.
-    fn leave_for_backoff(mut self: Box<Self>) {
+    /// The retry path on JetStream: count this attempt as failed (confirmed
+    /// by the server before anything else), then `Nak` with the ladder's
+    /// delay, which the server waits before it redelivers. A plain `Nak`
+    /// would redeliver at once and burn the ladder in milliseconds
+    /// (LESSONS.md); the gaps are pinned by
+    /// `nats_compliance::retry_gaps_follow_the_backoff`. If the count cannot
+    /// be written the failure is not counted (an extra attempt, logged); if
+    /// the `Nak` cannot be sent the server redelivers after `AckWait`.
+    async fn fail(mut self: Box<Self>, delay: Duration) -> Result<(), TransportError> {
         if let Some(id) = self.track.take() {
             self.shared.progress.untrack(id);
         }
+        let s = &self.shared;
+        if let (Some(kv), Some(slot)) = (&s.attempts, s.slot) {
+            let key = names::attempts_key(slot, self.sequence);
+            if let Err(e) = kv.put(key.as_str(), Bytes::from(self.attempt.to_string())).await {
+                tracing::warn!(
+                    messaging.system = SYSTEM, topology = %s.topology, slot, sequence = self.sequence,
+                    attempt = self.attempt, error = %e,
+                    "failure count not written; the next delivery repeats this attempt"
+                );
+            }
+        }
+        self.acker
+            .ack_with(AckKind::Nak(Some(delay)))
+            .await
+            .map_err(|e| self.err("delayed nak", &e))
     }
 
     fn err(&self, what: &str, e: &async_nats::Error) -> TransportError {
@@ -997,10 +1402,17 @@ impl Acker for NatsAcker {
                     ),
                 )
             }),
-            Disposition::Retry { .. } | Disposition::Defer => {
-                self.leave_for_backoff();
-                Ok(())
+            Disposition::Retry { delay, .. } => self.fail(delay).await,
+            Disposition::Defer => {
+                let delay = self
+                    .shared
+                    .schedule
+                    .delay_before(self.attempt.saturating_add(1))
+                    .unwrap_or(NATS_DEFAULT_ACK_WAIT);
+                self.fail(delay).await
             }
+            // Not a failure: nothing is counted, and the message is handed
+            // out again at once (the draining node pulls no more).
             Disposition::Release => self
                 .acker
                 .ack_with(AckKind::Nak(None))
@@ -1009,8 +1421,10 @@ impl Acker for NatsAcker {
         }
     }
 
+    /// `None`: the server never gives up on a slot message (`MaxDeliver`
+    /// -1), so a failed capture is always retried on a later delivery.
     fn deliveries_left(&self) -> Option<u32> {
-        self.shared.max_deliver.map(|max| max.saturating_sub(self.delivered))
+        None
     }
 
     fn provenance(&self) -> Vec<(&'static str, String)> {
@@ -1039,20 +1453,20 @@ mod tests {
     }
 
     #[test]
-    fn slot_consumer_writes_the_ladder_as_backoff() {
+    fn slot_consumer_leaves_the_ladder_to_the_host() {
         let mut spec = TopologySpec::new("t", 2);
         spec.retry = RetryPolicy::new(vec![Duration::from_secs(1), Duration::from_secs(2)], 4);
         let c = slot_consumer_config(&spec, 1, 64);
         assert_eq!(c.durable_name.as_deref(), Some("weir-t-1"));
         assert_eq!(c.filter_subject, "weir.t.slot.1");
-        assert_eq!(c.backoff, spec.retry.ladder);
         assert_eq!(c.ack_wait, Duration::from_secs(1));
-        assert_eq!(c.max_deliver, 4);
+        // The host counts failures and times retries: the server never gives up.
+        assert_eq!(c.max_deliver, -1);
+        assert!(c.backoff.is_empty());
         assert_eq!(c.max_ack_pending, 64);
         assert_eq!(c.ack_policy, AckPolicy::Explicit);
-        // unlimited with a ladder: the server refuses MaxDeliver -1 beside a BackOff
         spec.retry = RetryPolicy::new(vec![Duration::from_secs(1)], 0);
-        assert_eq!(slot_consumer_config(&spec, 0, 1).max_deliver, UNLIMITED_WITH_BACKOFF);
+        assert_eq!(slot_consumer_config(&spec, 0, 1).max_deliver, -1);
         spec.retry = RetryPolicy::new(vec![], 0);
         let c = slot_consumer_config(&spec, 0, 0);
         assert_eq!(c.ack_wait, NATS_DEFAULT_ACK_WAIT);

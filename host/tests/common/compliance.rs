@@ -75,6 +75,9 @@ impl Subscription for RecordingSub {
     async fn close(&mut self) {
         self.inner.close().await;
     }
+    async fn stop(&mut self) -> bool {
+        self.inner.stop().await
+    }
 }
 
 #[async_trait]
@@ -110,6 +113,9 @@ impl Transport for Recording {
     }
     fn ack_floor(&self) -> Vec<FloorState> {
         self.inner.ack_floor()
+    }
+    async fn close(&self) {
+        self.inner.close().await;
     }
 }
 
@@ -171,6 +177,18 @@ pub struct Subject {
 /// Settlements go to the observer's ledger, and every outcome is kept in
 /// order (the ledger keeps only the last of each message).
 pub struct LedgerSettle(Arc<Observer>, Mutex<Vec<(String, Outcome)>>);
+
+impl LedgerSettle {
+    /// Settlements of nodes that report to `obs`.
+    pub fn new(obs: Arc<Observer>) -> Self {
+        Self(obs, Mutex::new(Vec::new()))
+    }
+
+    /// Every settlement so far, in order.
+    pub fn all(&self) -> Vec<(String, Outcome)> {
+        self.1.lock().clone()
+    }
+}
 
 impl weir::lanes::SettleObserver for LedgerSettle {
     fn settled(&self, id: &str, outcome: Outcome) {

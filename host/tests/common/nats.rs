@@ -39,7 +39,11 @@ impl Topo {
 
 impl Drop for Topo {
     fn drop(&mut self) {
-        let streams = [names::stream(&self.name), names::dead_letter_stream(&self.name)];
+        let streams = [
+            names::stream(&self.name),
+            names::dead_letter_stream(&self.name),
+            names::attempts_stream(&self.name),
+        ];
         let url = self.url.clone();
         super::clean_up_on_a_thread(move || async move {
             let connect = async_nats::connect(url.as_str());
