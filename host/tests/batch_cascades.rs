@@ -11,7 +11,8 @@
 //! succeeding member's cascade goes out; the retried member's goes out exactly
 //! once, after its retry; the rejected member's never. A batch that publishes
 //! for no member (the 0.1.0 way) and has a failing member is replayed member
-//! by member, with the same result. Two messages sharing a `weir-message-id`
+//! by member, with the same result; so is a component built against
+//! `weir:handler@0.1.0`, which has no `begin-member`. Two messages sharing a `weir-message-id`
 //! across tenants or types cascade under distinct ids.
 //!
 //! "Exactly once" is checked without a sleep: every message of the scenario
@@ -72,32 +73,60 @@ fn rabbit() -> On {
     }
 }
 
+/// The test guest built against `weir:handler@0.1.0` (host/tests/guests/legacy,
+/// built by host/build.rs beside the faulty guest).
+fn legacy_path() -> String {
+    std::path::Path::new(bundled::FAULTY_PATH)
+        .with_file_name("weir_test_legacy.wasm")
+        .display()
+        .to_string()
+}
+
+/// Which guest runs a scenario.
+#[derive(Clone, Copy)]
+enum Guest {
+    /// The faulty guest (0.2.0, the SDK).
+    Faulty,
+    /// The 0.1.0 guest: its `publish*` types batched, `ok` single.
+    Legacy,
+}
+
 /// One slot; `ok` and `publish` single, the `wb.` types batched by three
 /// (a lone member, such as a retry, runs after a linger of one second).
-fn config(on: &On) -> Config {
+fn config(on: &On, guest: Guest) -> Config {
     let mut t = config::Topology::new(&on.topology, 1);
     t.retry = Some(RetrySection {
         ladder: Some(LADDER.to_vec()),
         max_deliver: Some(3),
         ..Default::default()
     });
+    let (component, single, batched) = match guest {
+        Guest::Faulty => (
+            bundled::FAULTY_PATH.to_owned(),
+            vec!["ok", "publish", "batch.publish"],
+            vec![
+                "wb.publish",
+                "wb.publish-retry-first",
+                "wb.publish-reject",
+                "wb.legacy.publish",
+                "wb.legacy.publish-retry-first",
+                "wb.legacy.publish-reject",
+            ],
+        ),
+        Guest::Legacy => (
+            legacy_path(),
+            vec!["ok"],
+            vec!["publish", "publish-retry-first", "publish-reject"],
+        ),
+    };
     let mut h = config::Handler::new(
         "faulty",
-        bundled::FAULTY_PATH,
+        component,
         &on.topology,
-        vec!["ok".into(), "publish".into(), "batch.publish".into()],
+        single.into_iter().map(String::from).collect(),
     );
     h.batch = Some(config::Batch {
-        message_types: [
-            "wb.publish",
-            "wb.publish-retry-first",
-            "wb.publish-reject",
-            "wb.legacy.publish",
-            "wb.legacy.publish-retry-first",
-            "wb.legacy.publish-reject",
-        ]
-        .map(String::from)
-        .to_vec(),
+        message_types: batched.into_iter().map(String::from).collect(),
         size: 3,
         linger: Duration::from_secs(1),
     });
@@ -193,22 +222,22 @@ impl SettleObserver for Watch {
     }
 }
 
-async fn start(on: &On, watch: &Arc<Watch>) -> Node {
+async fn start(on: &On, watch: &Arc<Watch>, guest: Guest) -> Node {
     let opts = NodeOptions {
         workers: 2,
         call_observer: Some(watch.clone()),
         settle_observer: Some(watch.clone()),
         ..NodeOptions::default()
     };
-    Node::start(&config(on), on.transport.clone(), opts).await.unwrap()
+    Node::start(&config(on, guest), on.transport.clone(), opts).await.unwrap()
 }
 
 /// Publish the three members of one batch (`prefix` `wb.` or `wb.legacy.`)
 /// in group `g`, wait until each has settled as it should (the retried one
 /// twice), then run a sentinel through the group's lane. Returns the members
 /// (succeeds, retries first, rejects) and the node's batch replays.
-async fn one_batch_of_three(on: &On, watch: &Arc<Watch>, prefix: &str) -> ([Envelope; 3], u64) {
-    let node = start(on, watch).await;
+async fn one_batch_of_three(on: &On, watch: &Arc<Watch>, guest: Guest, prefix: &str) -> ([Envelope; 3], u64) {
+    let node = start(on, watch, guest).await;
     let tag = &uuid::Uuid::new_v4().simple().to_string()[..8];
     let members = [
         msg(&format!("ok-{tag}"), &format!("{prefix}publish"), "g", Some("acme")),
@@ -248,7 +277,7 @@ async fn one_batch_of_three(on: &On, watch: &Arc<Watch>, prefix: &str) -> ([Enve
 /// only with that member's success, once.
 async fn only_succeeding_members_cascade(on: On) {
     let watch = Arc::new(Watch::default());
-    let ([ok, retry, reject], replays) = one_batch_of_three(&on, &watch, "wb.").await;
+    let ([ok, retry, reject], replays) = one_batch_of_three(&on, &watch, Guest::Faulty, "wb.").await;
     let calls = |m: &Envelope| watch.single_calls(&envelope::cascade_id(m, 0));
     assert_eq!(calls(&ok), 1, "the succeeding member's cascade goes out once");
     assert_eq!(
@@ -264,9 +293,13 @@ async fn only_succeeding_members_cascade(on: On) {
 /// cascades are dropped and each member replayed through `handle`, so again
 /// only what succeeded cascades, once. The retried member later runs in a
 /// batch of its own that succeeds, so its cascade then has a batch id.
-async fn unattributed_publishes_replay_a_mixed_batch(on: On) {
+async fn unattributed_publishes_replay_a_mixed_batch(on: On, guest: Guest) {
     let watch = Arc::new(Watch::default());
-    let ([ok, retry, reject], replays) = one_batch_of_three(&on, &watch, "wb.legacy.").await;
+    let prefix = match guest {
+        Guest::Faulty => "wb.legacy.",
+        Guest::Legacy => "",
+    };
+    let ([ok, retry, reject], replays) = one_batch_of_three(&on, &watch, guest, prefix).await;
     assert_eq!(replays, 1, "the mixed batch is replayed once");
     let calls = |id: String| watch.single_calls(&id);
     assert_eq!(calls(envelope::cascade_id(&ok, 0)), 1, "the replay's cascade of the succeeding member");
@@ -284,7 +317,7 @@ async fn unattributed_publishes_replay_a_mixed_batch(on: On) {
 /// cascade is delivered, with its parent's tenant, under an id of its own.
 async fn cascade_ids_are_keyed_by_tenant_and_type(on: On) {
     let watch = Arc::new(Watch::default());
-    let node = start(&on, &watch).await;
+    let node = start(&on, &watch, Guest::Faulty).await;
     let id = format!("same-{}", uuid::Uuid::new_v4().simple());
     let parents = [
         msg(&id, "publish", "g-acme", Some("acme")),
@@ -324,7 +357,13 @@ async fn memory_only_succeeding_batch_members_cascade_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_unattributed_batch_publishes_replay_a_mixed_batch() {
-    unattributed_publishes_replay_a_mixed_batch(memory()).await;
+    unattributed_publishes_replay_a_mixed_batch(memory(), Guest::Faulty).await;
+}
+
+/// A component built against 0.1.0 loads and is settled by the same rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_0_1_0_component_runs_and_its_mixed_batch_is_replayed() {
+    unattributed_publishes_replay_a_mixed_batch(memory(), Guest::Legacy).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -341,7 +380,12 @@ async fn rabbitmq_only_succeeding_batch_members_cascade_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_unattributed_batch_publishes_replay_a_mixed_batch() {
-    unattributed_publishes_replay_a_mixed_batch(rabbit()).await;
+    unattributed_publishes_replay_a_mixed_batch(rabbit(), Guest::Faulty).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_0_1_0_component_runs_and_its_mixed_batch_is_replayed() {
+    unattributed_publishes_replay_a_mixed_batch(rabbit(), Guest::Legacy).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
