@@ -119,6 +119,7 @@ pub(crate) mod imports {
             if let Some(error) = &host.publish_error {
                 return Err(error.clone());
             }
+            let member = host.member;
             host.published.push(Published {
                 message_type: message_type.to_owned(),
                 group_id: group_id.map(str::to_owned),
@@ -127,7 +128,7 @@ pub(crate) mod imports {
                     .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
                     .collect(),
                 payload: payload.to_vec(),
-                member: host.member,
+                member,
             });
             Ok(())
         })
