@@ -20,6 +20,7 @@ const GUESTS: &[(&str, &str, &str)] = &[
     ("ORDERS", "weir-example-orders", "weir_example_orders"),
     ("NOOP", "weir-example-noop", "weir_example_noop"),
     ("FAULTY", "weir-test-faulty", "weir_test_faulty"),
+    ("LEGACY", "weir-test-legacy", "weir_test_legacy"),
 ];
 
 fn main() {

@@ -96,12 +96,17 @@ pub trait Handler {
     /// Handles a batch (all of one tenant and group, in arrival order) and returns exactly one
     /// result per message, in the same order.
     ///
-    /// The default calls [`Handler::handle`] for each message. Override it to do bulk work
-    /// (one lookup, one config read, one validation pass for the whole batch). If an override
-    /// returns the wrong number of results, every message of the batch is retried with an
-    /// error naming both counts.
+    /// The default calls [`Handler::handle`] for each message, through [`members`], so that what
+    /// each call [`publish`]es belongs to its message: it is sent only if that message succeeds.
+    ///
+    /// Override it to do bulk work (one lookup, one config read, one validation pass for the
+    /// whole batch). Iterate with [`members`], or call [`begin_member`] before publishing for a
+    /// member: a message published before the first [`begin_member`] of a call belongs to the
+    /// whole batch, and if some member then fails, the host replays every member alone through
+    /// [`Handler::handle`]. If an override returns the wrong number of results, every message of
+    /// the batch is retried with an error naming both counts.
     fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
-        batch.into_iter().map(Self::handle).collect()
+        members(batch).map(Self::handle).collect()
     }
 }
 
@@ -403,6 +408,62 @@ pub fn config(key: &str) -> Option<String> {
     imports::config(key)
 }
 
+/// In [`Handler::handle_batch`]: what is [`publish`]ed from now on belongs to member `index` of
+/// the batch (0-based, batch order), until the next `begin_member`. The host sends it only if
+/// that member's result is `Ok`, before acknowledging that member; it drops it if the member
+/// fails. Members may be begun in any order and more than once. [`members`] calls this for you.
+///
+/// In [`Handler::handle`] the message is member 0. An index outside the batch traps the call
+/// (the host then replays each member alone through [`Handler::handle`]).
+pub fn begin_member(index: usize) {
+    imports::begin_member(u32::try_from(index).unwrap_or(u32::MAX));
+}
+
+/// The messages of a batch, each yielded after [`begin_member`] for it, so that what is
+/// published while handling a message belongs to that message:
+///
+/// ```
+/// use weir_guest::{Failure, Message};
+///
+/// fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
+///     let currency = weir_guest::config("currency"); // once for the whole batch
+///     weir_guest::members(batch)
+///         .map(|msg| weir_guest::publish("seen", msg.group_id(), &[], currency.as_deref().unwrap_or("EUR").as_bytes()))
+///         .collect()
+/// }
+/// # weir_guest::testing::reset();
+/// # let results = handle_batch(vec![Message::new("a", "t", ""), Message::new("b", "t", "")]);
+/// # assert_eq!(results.len(), 2);
+/// # let members: Vec<_> = weir_guest::testing::take_published().into_iter().map(|p| p.member).collect();
+/// # assert_eq!(members, [Some(0), Some(1)]);
+/// ```
+pub fn members(batch: Vec<Message>) -> Members {
+    Members {
+        inner: batch.into_iter().enumerate(),
+    }
+}
+
+/// The iterator of [`members`].
+pub struct Members {
+    inner: std::iter::Enumerate<std::vec::IntoIter<Message>>,
+}
+
+impl Iterator for Members {
+    type Item = Message;
+
+    fn next(&mut self) -> Option<Message> {
+        let (index, msg) = self.inner.next()?;
+        begin_member(index);
+        Some(msg)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.inner.size_hint()
+    }
+}
+
+impl ExactSizeIterator for Members {}
+
 /// Log functions, one per [`Level`]; the macros ([`info!`] etc.) format and call these.
 pub mod log {
     use super::Level;
@@ -504,6 +565,10 @@ mod imports {
 
         pub(crate) fn config(key: &str) -> Option<String> {
             host::config(key)
+        }
+
+        pub(crate) fn begin_member(index: u32) {
+            host::begin_member(index);
         }
     }
 }
@@ -661,6 +726,34 @@ mod tests {
 
     fn wit_message(message_type: &str) -> wit::Message {
         Message::new("m", message_type, "").inner
+    }
+
+    struct Publisher;
+    impl Handler for Publisher {
+        fn handle(msg: Message) -> Result<(), Failure> {
+            publish("out", None, &[], msg.id().as_bytes())?;
+            match msg.message_type() {
+                "bad" => Err(Failure::retry("bad")),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_batch_loop_attributes_each_publish_to_its_member() {
+        testing::reset();
+        let results = <Export<Publisher> as Guest>::handle_batch(vec![
+            wit_message("ok"),
+            wit_message("bad"),
+            wit_message("ok"),
+        ]);
+        assert!(results[0].is_ok() && results[1].is_err() && results[2].is_ok());
+        let members: Vec<_> = testing::take_published().into_iter().map(|p| p.member).collect();
+        assert_eq!(members, [Some(0), Some(1), Some(2)]);
+        // A single call names no member.
+        testing::start_call();
+        <Export<Publisher> as Guest>::handle(wit_message("ok")).unwrap();
+        assert_eq!(testing::take_published()[0].member, None);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! An in-memory host for native unit tests (only on targets other than `wasm32`).
 //!
-//! Each test thread has its own host: a config table, the messages published so far and the
-//! lines logged so far. Nothing here exists in the built component, where the real host answers.
+//! Each test thread has its own host: a config table, the messages published so far (with the
+//! batch member each belongs to) and the lines logged so far. Nothing here exists in the built component, where the real host answers.
 //!
 //! ```
 //! use weir_guest::{Failure, Message, testing};
@@ -39,6 +39,9 @@ pub struct Published {
     pub headers: Vec<(String, String)>,
     /// Its payload.
     pub payload: Vec<u8>,
+    /// The batch member it belongs to: the last [`crate::begin_member`] since [`reset`] (or
+    /// since the last [`start_call`]); `None` before any.
+    pub member: Option<usize>,
 }
 
 impl Published {
@@ -54,6 +57,7 @@ struct Host {
     published: Vec<Published>,
     logs: Vec<(Level, String)>,
     publish_error: Option<String>,
+    member: Option<usize>,
 }
 
 thread_local! {
@@ -73,6 +77,12 @@ pub fn set_config(key: impl Into<String>, value: impl Into<String>) {
 /// Removes a key from the handler's config table.
 pub fn remove_config(key: &str) {
     HOST.with(|h| h.borrow_mut().config.remove(key));
+}
+
+/// Starts a new call: what is published next belongs to no member until [`crate::begin_member`]
+/// (what the host does at the start of every call).
+pub fn start_call() {
+    HOST.with(|h| h.borrow_mut().member = None);
 }
 
 /// Makes every following [`crate::publish`] fail with `error` (`None`: succeed again).
@@ -109,6 +119,7 @@ pub(crate) mod imports {
             if let Some(error) = &host.publish_error {
                 return Err(error.clone());
             }
+            let member = host.member;
             host.published.push(Published {
                 message_type: message_type.to_owned(),
                 group_id: group_id.map(str::to_owned),
@@ -117,9 +128,14 @@ pub(crate) mod imports {
                     .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
                     .collect(),
                 payload: payload.to_vec(),
+                member,
             });
             Ok(())
         })
+    }
+
+    pub(crate) fn begin_member(index: u32) {
+        HOST.with(|h| h.borrow_mut().member = Some(index as usize));
     }
 
     pub(crate) fn config(key: &str) -> Option<String> {

@@ -264,11 +264,32 @@ pub fn new_message(
     }
 }
 
-/// The id of the `index`-th message a handler published while handling
-/// `parent`: deterministic, so a retried call republishes the same ids and
-/// consumers can deduplicate.
-pub fn cascade_id(parent: &str, index: usize) -> String {
-    let name = format!("{parent}\u{0}{index}");
+/// The id of the `index`-th message a handler published for `parent`:
+/// derived from (tenant, message id, message type, index), so a retried call
+/// republishes the same ids and consumers can deduplicate, while two messages
+/// that share an id but not a tenant or type never share a cascade id.
+pub fn cascade_id(parent: &Envelope, index: usize) -> String {
+    derived_id(parent, "", index)
+}
+
+/// The id of the `index`-th message a `handle-batch` call published for the
+/// whole batch (before naming a member) whose first member is `first`; never
+/// equal to a [`cascade_id`] of that member.
+pub fn batch_cascade_id(first: &Envelope, index: usize) -> String {
+    derived_id(first, "batch", index)
+}
+
+/// A UUID v5 over the parent's tenant, id and type, a scope and an index,
+/// each length-prefixed so that no two tuples share a name (no tenant and an
+/// empty tenant are the same: envelopes never carry an empty one).
+fn derived_id(parent: &Envelope, scope: &str, index: usize) -> String {
+    use std::fmt::Write as _;
+    let tenant = parent.tenant_id.as_deref().unwrap_or_default();
+    let mut name = String::with_capacity(48 + tenant.len() + parent.id.len() + parent.message_type.len());
+    for part in [tenant, parent.id.as_str(), parent.message_type.as_str(), scope] {
+        let _ = write!(name, "{}:{part}\u{0}", part.len());
+    }
+    let _ = write!(name, "{index}");
     uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, name.as_bytes()).to_string()
 }
 
@@ -441,7 +462,32 @@ mod tests {
 
     #[test]
     fn cascade_ids_are_deterministic_and_distinct() {
-        assert_eq!(cascade_id("p", 0), cascade_id("p", 0));
-        assert_ne!(cascade_id("p", 0), cascade_id("p", 1));
+        let p = new_message("p".into(), "t", None, None, vec![], vec![]);
+        assert_eq!(cascade_id(&p, 0), cascade_id(&p, 0));
+        assert_ne!(cascade_id(&p, 0), cascade_id(&p, 1));
+        assert_ne!(cascade_id(&p, 0), batch_cascade_id(&p, 0));
+    }
+
+    /// Issue 15, item 9: one `weir-message-id` from two tenants, or of two
+    /// types, gives distinct cascade ids; moving a byte between fields too.
+    #[test]
+    fn cascade_ids_differ_across_tenants_and_types_for_one_message_id() {
+        let of = |tenant: Option<&str>, id: &str, ty: &str| {
+            new_message(id.into(), ty, Some("g".into()), tenant.map(str::to_owned), vec![], vec![])
+        };
+        let parents = [
+            of(Some("acme"), "m-1", "order.placed"),
+            of(Some("globex"), "m-1", "order.placed"),
+            of(None, "m-1", "order.placed"),
+            of(Some("acme"), "m-1", "order.paid"),
+            of(Some("acme"), "m-1x", "order.placed"),
+            of(Some("acmem"), "-1", "order.placed"),
+        ];
+        let ids: std::collections::HashSet<String> = parents.iter().map(|p| cascade_id(p, 0)).collect();
+        assert_eq!(ids.len(), parents.len(), "cascade ids collide: {ids:?}");
+        // The group does not take part: it is not part of the message's identity.
+        let mut regrouped = parents[0].clone();
+        regrouped.group_id = Some("other".into());
+        assert_eq!(cascade_id(&regrouped, 0), cascade_id(&parents[0], 0));
     }
 }

@@ -993,9 +993,14 @@ async fn run_batches(
     }
 }
 
-/// One outcome per member of a batch call: its own result (after the call's
-/// cascades are published), the replay's result after a trap or timeout, or
-/// the cancellation. `None` when the pool is gone.
+/// One outcome per member of a batch call: its own result with its own
+/// cascades (published by [`settle`] before that member's ack, so a member
+/// that answered `retry` or `reject` sends nothing), the replay's result after
+/// a trap or timeout, or the cancellation. A call that published for the
+/// whole batch (before naming a member: every 0.1.0 component) sends those
+/// cascades before any ack when every member succeeded, and is replayed
+/// member by member through `handle` otherwise, since nobody can tell whose
+/// they were. `None` when the pool is gone.
 async fn batch_outcomes(
     p: &Arc<Pipeline>,
     s: &Arc<SlotSettings>,
@@ -1005,28 +1010,46 @@ async fn batch_outcomes(
     cancel: &Arc<AtomicBool>,
 ) -> Option<Vec<(Envelope, CallOutcome)>> {
     match outcome {
-        BatchOutcome::Done { results, published } => {
-            // The call's cascades go out before any member is acked; if they
-            // cannot, the members that succeeded are retried like a single
-            // message whose cascade failed.
-            let cascade_error = if !published.is_empty() && results.iter().any(Result::is_ok) {
-                publish_cascades(p, s, published.into_iter().map(|o| o.envelope))
+        BatchOutcome::Done {
+            results,
+            unattributed,
+            ..
+        } if !unattributed.is_empty() && !results.iter().all(Result::is_ok) => {
+            p.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                handler = handler.name(), group = batch.first().and_then(|e| e.group()), members = batch.len(),
+                unattributed = unattributed.len(),
+                "handle-batch published for no member in particular (no begin-member first) and not every \
+                 member succeeded; replaying its members one at a time through handle"
+            );
+            let items = batch.into_iter().map(|env| (handler.clone(), env)).collect();
+            call_each(p, items, cancel.clone()).await
+        }
+        BatchOutcome::Done {
+            results,
+            published,
+            unattributed,
+        } => {
+            // Whole-batch cascades (every member succeeded) go out before any
+            // member is acked; if they cannot, every member is retried like a
+            // single message whose cascade failed.
+            let cascade_error = if unattributed.is_empty() {
+                None
+            } else {
+                publish_cascades(p, s, unattributed.into_iter().map(|o| o.envelope))
                     .await
                     .err()
-            } else {
-                None
             };
             let outcomes = batch
                 .into_iter()
-                .zip(results)
-                .map(|(env, result)| {
-                    let result = match (result, &cascade_error) {
-                        (Ok(()), Some(e)) => Err(Failure::Retry(format!("cascaded publish of its batch failed: {e}"))),
-                        (result, _) => result,
-                    };
-                    let done = CallOutcome::Done {
-                        result,
-                        published: Vec::new(),
+                .zip(results.into_iter().zip(published))
+                .map(|(env, (result, published))| {
+                    let done = match (result, &cascade_error) {
+                        (Ok(()), Some(e)) => CallOutcome::Done {
+                            result: Err(Failure::Retry(format!("cascaded publish of its batch failed: {e}"))),
+                            published: Vec::new(),
+                        },
+                        (result, _) => CallOutcome::Done { result, published },
                     };
                     (env, done)
                 })

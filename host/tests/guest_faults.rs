@@ -535,7 +535,7 @@ async fn publish_cascades_one_message_that_is_handled() {
         (1, 2, 0, 0),
         "{s:?}"
     );
-    let child = envelope::cascade_id(&msg.id, 0);
+    let child = envelope::cascade_id(&msg, 0);
     let ok = h.calls.of_type("ok");
     assert_eq!(ok.len(), 1, "one cascaded call: {ok:?}");
     assert_eq!(ok[0].id, child, "the cascade has the deterministic id");

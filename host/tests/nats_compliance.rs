@@ -117,7 +117,7 @@ async fn cascades_and_ingress_come_through_the_slot_subjects() {
     let mut ids: HashSet<String> = HashSet::new();
     for p in &parents {
         ids.insert(p.id.clone());
-        ids.insert(envelope::cascade_id(&p.id, 0));
+        ids.insert(envelope::cascade_id(p, 0));
         h.publish(p).await;
     }
     // Ingress: a plain client sets only id, type and group; one message lacks the type.

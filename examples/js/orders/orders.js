@@ -23,7 +23,7 @@
 // total is summed as a BigInt, and a price above 2^53 cents is as precise as the
 // double it was read into.
 
-import { config, log, publish } from 'weir:handler/host@0.1.0';
+import { beginMember, config, log, publish } from 'weir:handler/host@0.2.0';
 
 const DEFAULT_CURRENCY = 'EUR';
 const U32_MAX = 2 ** 32 - 1;
@@ -154,12 +154,15 @@ export function handle(msg) {
  * Bulk validation: the config is read once for the whole batch, and the order lines of
  * the batch are checked in one pass (each on its own, and no line twice). One result
  * per message, in order: a bad line is rejected alone, the rest of the batch still succeeds.
+ * `beginMember` before each message makes what it publishes (an `order.accepted`) its own:
+ * sent only if that message succeeds.
  */
 export function handleBatch(batch) {
   const currency = config('currency');
   const seen = new Set();
   let lines = 0;
-  const results = batch.map((msg) => {
+  const results = batch.map((msg, i) => {
+    beginMember(i);
     try {
       if (msg.messageType !== 'order.line-added') {
         processOrder(msg, currency);

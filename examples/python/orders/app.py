@@ -183,12 +183,14 @@ class WitWorld(wit_world.WitWorld):
     def handle_batch(self, batch: List[Message]) -> List[Result[None, Failure]]:
         """Bulk validation: the config is read once for the whole batch, and the order
         lines of the batch are checked in one pass (each on its own, and no line twice).
-        One result per message, in order."""
+        One result per message, in order. `begin_member` before each message makes what
+        it publishes (an `order.accepted`) its own: sent only if that message succeeds."""
         currency = host.config("currency")
         seen = set()
         lines = 0
         results: List[Result[None, Failure]] = []
-        for msg in batch:
+        for i, msg in enumerate(batch):
+            host.begin_member(i)
             try:
                 if msg.message_type != "order.line-added":
                     process(msg, currency)

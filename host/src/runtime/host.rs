@@ -1,9 +1,11 @@
 //! Per-instance host state: the WASI context a handler was granted, its
-//! memory limiter, and the host imports (`log`, `publish`, `config`).
+//! memory limiter, and the host imports (`log`, `publish`, `begin-member`,
+//! `config`; the 0.1.0 world's are the same without `begin-member`).
 //!
-//! `publish` only records the message in the outbox: the caller publishes the
-//! outbox through the broker after the call has succeeded, and drops it when
-//! the call failed.
+//! `publish` only records the message in the outbox, tagged with the batch
+//! member it belongs to: the executor gives each message its own publishes,
+//! with their ids, after the call; the caller publishes those of a message
+//! that succeeded through the broker and drops the others.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,15 +24,24 @@ use crate::envelope::{self, Envelope};
 /// A message published by a guest during the current call.
 #[derive(Debug, Clone)]
 pub struct Outgoing {
-    /// The message, with id, tenant and attempt already filled in.
+    /// The message, with id, tenant and attempt filled in (the id once the
+    /// call has returned: it derives from the message the publish belongs to).
     pub envelope: Envelope,
+    /// The batch member it belongs to (`begin-member`); `None` in `handle`, or
+    /// before the first `begin-member` of a `handle-batch` (the whole batch).
+    pub(crate) member: Option<u32>,
 }
 
-/// Facts about the message being handled, for cascade ids and log fields.
+/// Facts about the call being run, for publishes and log fields.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct CallContext {
+    /// The message, or a batch's first member (log field).
     pub message_id: String,
     pub tenant_id: Option<String>,
+    /// Members of the current `handle-batch` call; `None` in `handle`.
+    pub batch_len: Option<u32>,
+    /// The member the next publishes belong to (`begin-member`).
+    pub member: Option<u32>,
 }
 
 /// The data of one wasmtime `Store`.
@@ -246,21 +257,62 @@ impl Host for HostState {
             return Ok(Err(why));
         }
         self.cascade_bytes = held;
-        let id = envelope::cascade_id(&self.call.message_id, self.outbox.len());
+        // The id derives from the message this belongs to: filled in by the
+        // executor once the call has returned.
         let envelope = envelope::new_message(
-            id,
+            String::new(),
             message_type,
             group_id,
             self.call.tenant_id.clone(),
             headers,
             payload,
         );
-        self.outbox.push(Outgoing { envelope });
+        self.outbox.push(Outgoing {
+            envelope,
+            member: self.call.member,
+        });
         Ok(Ok(()))
+    }
+
+    fn begin_member(&mut self, index: u32) -> wasmtime::Result<()> {
+        match self.call.batch_len {
+            Some(n) if index < n => self.call.member = Some(index),
+            // In `handle` the message is member 0: nothing to switch.
+            None if index == 0 => {}
+            n => {
+                return Err(wasmtime::format_err!(
+                    "begin-member({index}): the call has {} member(s), so the index must be below that",
+                    n.unwrap_or(1)
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn config(&mut self, key: String) -> wasmtime::Result<Option<String>> {
         Ok(self.settings.config.get(&key).cloned())
+    }
+}
+
+/// The 0.1.0 world's imports: the same as 0.2.0's, without `begin-member`
+/// (so every publish of its `handle-batch` belongs to the whole batch).
+impl super::bindings::v0_1::weir::handler::host::Host for HostState {
+    fn log(&mut self, level: Level, text: String) -> wasmtime::Result<()> {
+        Host::log(self, level, text)
+    }
+
+    fn publish(
+        &mut self,
+        message_type: String,
+        group_id: Option<String>,
+        headers: Vec<(String, String)>,
+        payload: Vec<u8>,
+    ) -> wasmtime::Result<Result<(), String>> {
+        Host::publish(self, message_type, group_id, headers, payload)
+    }
+
+    fn config(&mut self, key: String) -> wasmtime::Result<Option<String>> {
+        Host::config(self, key)
     }
 }
 

@@ -24,7 +24,7 @@ use wasmtime::component::{Component, HasSelf, Linker};
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
 
 use bindings::weir::handler::types::Failure;
-use bindings::{Handler, HandlerPre};
+use bindings::{Handler, HandlerPre, v0_1};
 pub use host::{HostState, Interruption, Outgoing};
 
 use crate::envelope::Envelope;
@@ -300,8 +300,52 @@ pub struct HandlerVersion {
     pub settings: Arc<HandlerSettings>,
     /// Admission for calls of this version, `max_instances` permits.
     pub permits: Arc<tokio::sync::Semaphore>,
-    pre: HandlerPre<HostState>,
+    pre: Pre,
     retired: AtomicBool,
+}
+
+/// A version's instantiation, by the world it was built against.
+#[derive(Clone)]
+enum Pre {
+    /// `weir:handler@0.2.0`.
+    V2(HandlerPre<HostState>),
+    /// `weir:handler@0.1.0`: no `begin-member`.
+    V1(v0_1::HandlerPre<HostState>),
+}
+
+impl Pre {
+    fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Bindings> {
+        match self {
+            Pre::V2(pre) => pre.instantiate(store).map(Bindings::V2),
+            Pre::V1(pre) => pre.instantiate(store).map(Bindings::V1),
+        }
+    }
+}
+
+/// An instance's exports, by world; the message and result types are shared.
+enum Bindings {
+    V2(Handler),
+    V1(v0_1::Handler),
+}
+
+impl Bindings {
+    fn call_handle(&self, store: &mut Store<HostState>, msg: &Envelope) -> wasmtime::Result<Result<(), Failure>> {
+        match self {
+            Bindings::V2(b) => b.call_handle(store, msg),
+            Bindings::V1(b) => b.call_handle(store, msg),
+        }
+    }
+
+    fn call_handle_batch(
+        &self,
+        store: &mut Store<HostState>,
+        batch: &[Envelope],
+    ) -> wasmtime::Result<Vec<Result<(), Failure>>> {
+        match self {
+            Bindings::V2(b) => b.call_handle_batch(store, batch),
+            Bindings::V1(b) => b.call_handle_batch(store, batch),
+        }
+    }
 }
 
 impl std::fmt::Debug for HandlerVersion {
@@ -439,7 +483,10 @@ impl Runtime {
         blocking::shadow_poll(&mut linker)?;
         Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(anyhow::Error::from)
-            .context("linking weir:handler/host")?;
+            .context("linking weir:handler/host@0.2.0")?;
+        v0_1::Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
+            .map_err(anyhow::Error::from)
+            .context("linking weir:handler/host@0.1.0")?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (e, stop) = (engine.clone(), ticker_stop.clone());
@@ -505,13 +552,17 @@ impl Runtime {
         let component = self
             .compile(bytes, &digest)
             .with_context(|| format!("{origin} is not a valid WebAssembly component"))?;
-        let pre = self
-            .linker
-            .instantiate_pre(&component)
-            .and_then(HandlerPre::new)
-            .map_err(anyhow::Error::from)
+        let pre = self.linker.instantiate_pre(&component).map_err(anyhow::Error::from);
+        let pre = pre
+            .and_then(|pre| match HandlerPre::new(pre.clone()) {
+                Ok(v2) => Ok(Pre::V2(v2)),
+                Err(e) => v0_1::HandlerPre::new(pre).map(Pre::V1).map_err(|_| e.into()),
+            })
             .with_context(|| {
-                format!("{origin} does not implement the weir:handler/handler world (imports or exports differ)")
+                format!(
+                    "{origin} does not implement the weir:handler/handler world, version 0.2.0 or 0.1.0 \
+                     (imports or exports differ)"
+                )
             })?;
         if settings.fuel.is_some() && !self.options.fuel {
             anyhow::bail!(
@@ -624,12 +675,17 @@ pub enum CallOutcome {
 /// The result of one `handle-batch` call.
 #[derive(Debug)]
 pub enum BatchOutcome {
-    /// One answer per message, in order, and everything the call published.
+    /// One answer per message, in order, and what the call published.
     Done {
         /// Answers, same order as the batch.
         results: Vec<Result<(), Failure>>,
-        /// Cascaded messages of the whole call.
-        published: Vec<Outgoing>,
+        /// Each member's cascades (`begin-member`), same order as the batch;
+        /// empty for a member that did not answer `Ok`.
+        published: Vec<Vec<Outgoing>>,
+        /// Cascades published before the call named a member (every publish
+        /// of a 0.1.0 component): they belong to the whole batch, so they may
+        /// go out only if every member succeeded.
+        unattributed: Vec<Outgoing>,
     },
     /// No answers: replay members one by one.
     Fault(Fault),
@@ -637,7 +693,7 @@ pub enum BatchOutcome {
 
 struct Instance {
     store: Store<HostState>,
-    bindings: Handler,
+    bindings: Bindings,
 }
 
 impl Instance {
@@ -843,6 +899,8 @@ impl Executor {
         }
         data.call.message_id.clone_from(&msg.id);
         data.call.tenant_id.clone_from(&msg.tenant_id);
+        data.call.batch_len = None;
+        data.call.member = None;
         data.outbox.clear();
         data.cascade_bytes = 0;
         data.cascade_refused = None;
@@ -952,8 +1010,15 @@ impl Executor {
                 if let (Ok(()), Some(why)) = (&result, data.cascade_refused.take()) {
                     result = Err(Failure::Reject(why));
                 }
-                let outbox = std::mem::take(&mut data.outbox);
-                let published = if result.is_ok() { outbox } else { Vec::new() };
+                let mut outbox = std::mem::take(&mut data.outbox);
+                let published = if result.is_ok() {
+                    for (i, o) in outbox.iter_mut().enumerate() {
+                        o.envelope.id = crate::envelope::cascade_id(msg, i);
+                    }
+                    outbox
+                } else {
+                    Vec::new()
+                };
                 if let Err(f) = &mut result {
                     self.cut_failure(&version.settings, f);
                 }
@@ -976,6 +1041,7 @@ impl Executor {
             return BatchOutcome::Done {
                 results: Vec::new(),
                 published: Vec::new(),
+                unattributed: Vec::new(),
             };
         };
         let mut inst = match self.instance(version, cancel) {
@@ -983,6 +1049,7 @@ impl Executor {
             Err(f) => return BatchOutcome::Fault(f),
         };
         self.arm(&mut inst, version, first, cancel);
+        inst.store.data_mut().call.batch_len = Some(u32::try_from(batch.len()).unwrap_or(u32::MAX));
         if let Some(o) = &self.runtime.observer {
             for m in batch {
                 o.version(m, &version.digest);
@@ -1010,12 +1077,17 @@ impl Executor {
                 })
             }
             Ok(mut results) if results.len() == batch.len() => {
-                let published = std::mem::take(&mut inst.store.data_mut().outbox);
+                let outbox = std::mem::take(&mut inst.store.data_mut().outbox);
                 for f in results.iter_mut().filter_map(|r| r.as_mut().err()) {
                     self.cut_failure(&version.settings, f);
                 }
                 self.keep(version, inst);
-                BatchOutcome::Done { results, published }
+                let (published, unattributed) = split_outbox(outbox, batch, &results);
+                BatchOutcome::Done {
+                    results,
+                    published,
+                    unattributed,
+                }
             }
             Ok(results) => BatchOutcome::Fault(Fault {
                 kind: FaultKind::Trap,
@@ -1028,4 +1100,38 @@ impl Executor {
             Err(e) => BatchOutcome::Fault(Self::fault(&mut inst, e)),
         }
     }
+}
+
+/// A batch call's outbox by member, with ids: each member's publishes, with
+/// ids derived from that member's message (dropped for a member that did not
+/// succeed), and those made before the first `begin-member`, with ids of the
+/// batch's first member (see [`crate::envelope::batch_cascade_id`]).
+fn split_outbox(
+    outbox: Vec<Outgoing>,
+    batch: &[Envelope],
+    results: &[Result<(), Failure>],
+) -> (Vec<Vec<Outgoing>>, Vec<Outgoing>) {
+    let mut published: Vec<Vec<Outgoing>> = (0..batch.len()).map(|_| Vec::new()).collect();
+    let mut unattributed = Vec::new();
+    if outbox.is_empty() {
+        return (published, unattributed);
+    }
+    // Every member's publishes are numbered (and so named) even when the
+    // member failed, so that one that succeeds on a retry gets the same ids.
+    let mut seen = vec![0usize; batch.len()];
+    for mut o in outbox {
+        let Some(i) = o.member.map(|m| m as usize).filter(|&i| i < batch.len()) else {
+            if let Some(first) = batch.first() {
+                o.envelope.id = crate::envelope::batch_cascade_id(first, unattributed.len());
+            }
+            unattributed.push(o);
+            continue;
+        };
+        o.envelope.id = crate::envelope::cascade_id(&batch[i], seen[i]);
+        seen[i] += 1;
+        if results.get(i).is_some_and(Result::is_ok) {
+            published[i].push(o);
+        }
+    }
+    (published, unattributed)
 }

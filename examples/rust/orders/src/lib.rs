@@ -62,13 +62,17 @@ impl Handler for Orders {
     /// Bulk validation: the config is read once for the whole batch, and the order lines of
     /// the batch are checked in one pass (each on its own, and no line twice). One result per
     /// message, in order: a bad line is rejected alone, the rest of the batch still succeeds.
+    /// `begin_member` before each message makes what it publishes (an `order.accepted`) its
+    /// own: sent only if that message succeeds.
     fn handle_batch(batch: Vec<Message>) -> Vec<Result<(), Failure>> {
         let currency = weir_guest::config("currency");
         let mut seen = HashSet::new();
         let mut lines = 0usize;
         let results: Vec<Result<(), Failure>> = batch
             .iter()
-            .map(|msg| {
+            .enumerate()
+            .map(|(i, msg)| {
+                weir_guest::begin_member(i);
                 if msg.message_type() != "order.line-added" {
                     return process(msg, currency.as_deref());
                 }
@@ -266,7 +270,9 @@ mod tests {
                 .contains("unknown message type")
         );
         assert!(results[2].as_ref().unwrap_err().is_reject());
-        assert_eq!(testing::take_published().len(), 1);
+        let published = testing::take_published();
+        assert_eq!(published.len(), 1);
+        assert_eq!(published[0].member, Some(0), "the accepted order is its message's own");
     }
 
     fn line(id: &str, order: &str, sku: &str, qty: u32) -> Message {

@@ -2,7 +2,8 @@
 //! outcome: success, retry, reject, traps (panic, OOM, stack overflow), endless loops, slow
 //! calls, cascades, config reads and sandbox probes. See `handle` for the table.
 //! A type `batch.X` behaves as `X` (tests bind the `batch.` types to `handle-batch`); a batch
-//! with a `trap` or `batch.trap` member traps as a whole.
+//! with a `trap` or `batch.trap` member traps as a whole. `handle-batch` attributes each member's
+//! publishes to it (`weir_guest::members`). Types `wb.*`: see `witbatch`.
 
 #![allow(clippy::panic, reason = "trapping on request is this guest's job")]
 
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use weir_guest::{Failure, Handler, Message};
 
 mod hostile;
+mod witbatch;
 
 /// The faulty handler.
 pub struct Faulty;
@@ -19,6 +21,9 @@ pub struct Faulty;
 impl Handler for Faulty {
     fn handle(msg: Message) -> Result<(), Failure> {
         let kind = msg.message_type();
+        if kind.starts_with("wb.") {
+            return witbatch::handle(msg);
+        }
         match kind.strip_prefix("batch.").unwrap_or(kind) {
             "ok" => Ok(()),
             "trap" => panic!("trap requested by test"),
@@ -58,7 +63,10 @@ impl Handler for Faulty {
         if batch.iter().any(|m| matches!(m.message_type(), "trap" | "batch.trap")) {
             panic!("batch trap requested by test");
         }
-        batch.into_iter().map(Self::handle).collect()
+        if witbatch::is_legacy(&batch) {
+            return witbatch::legacy_batch(batch);
+        }
+        weir_guest::members(batch).map(Self::handle).collect()
     }
 }
 
