@@ -271,11 +271,8 @@ async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<String>, hea
         Ok(c) => c,
         Err(d) => return d.into_response(),
     };
-    if s.registry.tenant_of(&name).is_none() {
-        return deploy_error(DeployError::UnknownHandler(name));
-    }
-    if !s.registry.visible(&caller, &name) {
-        return Denied::Forbidden(format!("handler `{name}` belongs to another tenant")).into_response();
+    if let Err(e) = s.registry.access(&caller, &name) {
+        return deploy_error(e);
     }
     match s.registry.list(&caller).into_iter().find(|h| h.name == name) {
         Some(h) => axum::Json(h).into_response(),
@@ -285,7 +282,7 @@ async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<String>, hea
 
 fn deploy_error(e: DeployError) -> Response {
     let status = match &e {
-        DeployError::UnknownHandler(_) => StatusCode::NOT_FOUND,
+        DeployError::UnknownHandler(_) | DeployError::NotVisible(_) => StatusCode::NOT_FOUND,
         DeployError::Forbidden(_) => StatusCode::FORBIDDEN,
         DeployError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
         DeployError::Invalid(_) => StatusCode::BAD_REQUEST,
@@ -340,14 +337,8 @@ async fn deploy(
         Ok(c) => c,
         Err(d) => return d.into_response(),
     };
-    if s.registry.tenant_of(&name).is_none() {
-        return deploy_error(DeployError::UnknownHandler(name));
-    }
-    if !s.registry.visible(&caller, &name) {
-        return Denied::Forbidden(format!(
-            "handler `{name}` does not belong to this token's tenant; a tenant token changes only its own handlers"
-        ))
-        .into_response();
+    if let Err(e) = s.registry.access(&caller, &name) {
+        return deploy_error(e);
     }
     let grants = match parse_grants(query.as_deref()) {
         Ok(g) => g,

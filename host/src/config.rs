@@ -242,13 +242,23 @@ impl Tenant {
                     ),
                 ));
             }
-            let allowed = self.allow.dirs.iter().any(|d| is_within(host, d));
+            // Compared as resolved paths (symlinks followed) where they
+            // exist, so a link under an allowed directory cannot point out
+            // of it; as written where they do not (opening fails later).
+            let resolved = std::fs::canonicalize(host).unwrap_or_else(|_| host.clone());
+            let roots = self.resolved_allow_dirs();
+            let allowed = is_within(host, Path::new("/")) && roots.iter().any(|d| is_within(&resolved, d));
             if !allowed {
+                let via = if resolved == *host {
+                    String::new()
+                } else {
+                    format!(" (it resolves to {})", resolved.display())
+                };
                 out.push((
                     format!("preopens[{k}].host"),
                     format!(
-                        "{} (guest {guest:?}) is not within a directory tenant {:?} may grant; accepted: one of {:?} \
-                         (tenant.allow.dirs) or below",
+                        "{}{via} (guest {guest:?}) is not within a directory tenant {:?} may grant; accepted: one of {:?} \
+                         (tenant.allow.dirs) or below, after following symlinks",
                         host.display(),
                         self.name,
                         self.allow.dirs
@@ -260,9 +270,20 @@ impl Tenant {
     }
 }
 
+impl Tenant {
+    /// `allow.dirs` with symlinks resolved (as written where a directory does not exist).
+    pub fn resolved_allow_dirs(&self) -> Vec<PathBuf> {
+        self.allow
+            .dirs
+            .iter()
+            .map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone()))
+            .collect()
+    }
+}
+
 /// Whether `path` is `dir` or below it, compared component by component after removing `.`
 /// and refusing `..` (a path with `..` is never within).
-fn is_within(path: &Path, dir: &Path) -> bool {
+pub(crate) fn is_within(path: &Path, dir: &Path) -> bool {
     use std::path::Component;
     if path.components().any(|c| c == Component::ParentDir) || dir.components().any(|c| c == Component::ParentDir) {
         return false;
