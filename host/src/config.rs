@@ -43,6 +43,19 @@ pub mod defaults {
     /// `node.max_component_size`.
     pub const MAX_COMPONENT_SIZE: ByteSize = ByteSize(128 * 1024 * 1024);
 
+    /// `node.admin_header_timeout`.
+    pub const ADMIN_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+    /// `node.admin_body_timeout`.
+    pub const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(120);
+    /// `node.admin_idle_timeout`.
+    pub const ADMIN_IDLE_TIMEOUT: Duration = Duration::from_secs(15);
+    /// `node.admin_max_connections`.
+    pub const ADMIN_MAX_CONNECTIONS: u32 = 256;
+    /// `node.admin_max_uploads`.
+    pub const ADMIN_MAX_UPLOADS: u32 = 4;
+    /// `node.admin_max_uploads_per_caller`.
+    pub const ADMIN_MAX_UPLOADS_PER_CALLER: u32 = 2;
+
     /// `node.name`: the host name and the process id, `"{host}-{pid}"`.
     pub fn node_name() -> String {
         let host = std::env::var("HOSTNAME")
@@ -56,6 +69,24 @@ pub mod defaults {
 
     pub(super) fn max_component_size() -> ByteSize {
         MAX_COMPONENT_SIZE
+    }
+    pub(super) fn admin_header_timeout() -> Duration {
+        ADMIN_HEADER_TIMEOUT
+    }
+    pub(super) fn admin_body_timeout() -> Duration {
+        ADMIN_BODY_TIMEOUT
+    }
+    pub(super) fn admin_idle_timeout() -> Duration {
+        ADMIN_IDLE_TIMEOUT
+    }
+    pub(super) fn admin_max_connections() -> u32 {
+        ADMIN_MAX_CONNECTIONS
+    }
+    pub(super) fn admin_max_uploads() -> u32 {
+        ADMIN_MAX_UPLOADS
+    }
+    pub(super) fn admin_max_uploads_per_caller() -> u32 {
+        ADMIN_MAX_UPLOADS_PER_CALLER
     }
     pub(super) fn prefetch() -> u32 {
         PREFETCH
@@ -142,6 +173,32 @@ pub struct Node {
     /// Largest component a deploy may upload, e.g. `"128MiB"`.
     #[serde(default = "defaults::max_component_size")]
     pub max_component_size: ByteSize,
+    /// How long the admin listener waits for a request's line and headers, counted from when
+    /// the connection opens or its previous response is sent: an idle connection, or one whose
+    /// headers trickle in, is closed after this. E.g. `"10s"`.
+    #[serde(default = "defaults::admin_header_timeout", deserialize_with = "de_duration")]
+    pub admin_header_timeout: Duration,
+    /// The longest an upload's body may take to arrive; past it the request is answered 408
+    /// and the connection closed.
+    #[serde(default = "defaults::admin_body_timeout", deserialize_with = "de_duration")]
+    pub admin_body_timeout: Duration,
+    /// The longest pause (no byte received) while an upload's body arrives; past it: 408 and
+    /// the connection closed.
+    #[serde(default = "defaults::admin_idle_timeout", deserialize_with = "de_duration")]
+    pub admin_idle_timeout: Duration,
+    /// Connections the admin listener holds open at once; one more is closed as soon as it is
+    /// accepted.
+    #[serde(default = "defaults::admin_max_connections")]
+    pub admin_max_connections: u32,
+    /// Uploads (`PUT /v1/handlers/{name}`) received, queued or validated at once on this node
+    /// (each streamed to a file, not held in memory); one more is answered 503 with
+    /// `Retry-After`, and the running version stays.
+    #[serde(default = "defaults::admin_max_uploads")]
+    pub admin_max_uploads: u32,
+    /// Of `admin_max_uploads`, how many one caller (a tenant token, or the operator) may hold,
+    /// so one tenant cannot take every upload slot; one more: 429 with `Retry-After`.
+    #[serde(default = "defaults::admin_max_uploads_per_caller")]
+    pub admin_max_uploads_per_caller: u32,
 }
 
 impl Default for Node {
@@ -153,6 +210,12 @@ impl Default for Node {
             data_dir: None,
             components_dir: None,
             max_component_size: defaults::MAX_COMPONENT_SIZE,
+            admin_header_timeout: defaults::ADMIN_HEADER_TIMEOUT,
+            admin_body_timeout: defaults::ADMIN_BODY_TIMEOUT,
+            admin_idle_timeout: defaults::ADMIN_IDLE_TIMEOUT,
+            admin_max_connections: defaults::ADMIN_MAX_CONNECTIONS,
+            admin_max_uploads: defaults::ADMIN_MAX_UPLOADS,
+            admin_max_uploads_per_caller: defaults::ADMIN_MAX_UPLOADS_PER_CALLER,
         }
     }
 }
@@ -971,6 +1034,25 @@ impl Config {
                 "node.name",
                 "is empty; accepted: any non-empty name, unique in the cluster",
             );
+        }
+        let n = &self.node;
+        for (key, d) in [
+            ("node.admin_header_timeout", n.admin_header_timeout),
+            ("node.admin_body_timeout", n.admin_body_timeout),
+            ("node.admin_idle_timeout", n.admin_idle_timeout),
+        ] {
+            if d.is_zero() {
+                errors.add(key, "is 0s; accepted: a positive duration such as \"10s\"");
+            }
+        }
+        for (key, v) in [
+            ("node.admin_max_connections", n.admin_max_connections),
+            ("node.admin_max_uploads", n.admin_max_uploads),
+            ("node.admin_max_uploads_per_caller", n.admin_max_uploads_per_caller),
+        ] {
+            if v == 0 {
+                errors.add(key, "is 0; accepted: 1 or more");
+            }
         }
         let t = &self.transport;
         let kind = t.kind.as_str();

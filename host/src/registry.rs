@@ -197,6 +197,29 @@ pub enum DeployError {
     Store(anyhow::Error),
 }
 
+/// The component a deploy brings.
+#[derive(Debug)]
+pub enum Upload {
+    /// In memory.
+    Bytes(Vec<u8>),
+    /// In a file of `size` bytes (the admin listener's spooled upload).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        size: usize,
+    },
+}
+
+impl Upload {
+    fn size(&self) -> usize {
+        match self {
+            Upload::Bytes(b) => b.len(),
+            Upload::File { size, .. } => *size,
+        }
+    }
+}
+
 /// What a deploy or rollback did.
 #[derive(Debug, Clone, Serialize)]
 pub struct Deployed {
@@ -370,9 +393,13 @@ pub struct Registry {
     store: Store,
     max_size: usize,
     states: Mutex<HashMap<String, State>>,
-    /// One deploy or rollback at a time on this node.
-    serial: tokio::sync::Mutex<()>,
+    /// Deploy queues: one per caller (each tenant, the operator), so one
+    /// tenant's deploys (compiling for minutes) never delay another's.
+    queues: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One change at a time per handler (a tenant's deploy, the operator's, a cluster sync).
+    changing: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
     swaps: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
 }
 
 /// The admission a tenant's handlers share, one per `[[tenant]]`.
@@ -495,6 +522,7 @@ impl Registry {
             }
             (None, None) => Store::Memory,
         };
+        let specs_names: Vec<String> = specs.keys().cloned().collect();
         let registry = Arc::new(Self {
             runtime,
             router,
@@ -504,8 +532,10 @@ impl Registry {
             store,
             max_size: usize::try_from(config.node.max_component_size.bytes()).unwrap_or(usize::MAX),
             states: Mutex::new(HashMap::new()),
-            serial: tokio::sync::Mutex::new(()),
+            queues: Mutex::new(HashMap::new()),
+            changing: specs_names.iter().map(|n| (n.clone(), Arc::default())).collect(),
             swaps: std::sync::atomic::AtomicU64::new(0),
+            refused: std::sync::atomic::AtomicU64::new(0),
         });
         for name in registry.specs.keys() {
             registry
@@ -527,6 +557,11 @@ impl Registry {
     /// Swaps so far (deploys and rollbacks that changed a version).
     pub fn swaps(&self) -> u64 {
         self.swaps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Deploys refused so far (admin uploads and the components directory).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The tenant a handler is bound to.
@@ -755,6 +790,29 @@ impl Registry {
         self.authorize(caller, name).is_ok()
     }
 
+    /// The deploy queue of `caller`: each tenant has its own, the operator too.
+    fn queue(&self, caller: &Caller) -> Arc<tokio::sync::Mutex<()>> {
+        let key = match caller {
+            Caller::Operator => "operator".to_owned(),
+            Caller::Tenant(t) => format!("tenant:{t}"),
+        };
+        self.queues.lock().entry(key).or_default().clone()
+    }
+
+    async fn changing(&self, name: &str) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        match self.changing.get(name) {
+            Some(m) => Some(m.clone().lock_owned().await),
+            None => None,
+        }
+    }
+
+    /// Hold `caller`'s deploy queue (tests: a deploy of that caller that
+    /// compiles for ever). Deploys of other callers must not wait for it.
+    #[doc(hidden)]
+    pub async fn hold_queue(&self, caller: &Caller) -> tokio::sync::OwnedMutexGuard<()> {
+        self.queue(caller).lock_owned().await
+    }
+
     /// Validate `bytes` and make them the current version of `name`.
     /// `grants`: the new version's capabilities (`None`: what the config gives).
     pub async fn deploy(
@@ -765,17 +823,61 @@ impl Registry {
         grants: Option<Grants>,
         source: &str,
     ) -> Result<Deployed, DeployError> {
+        self.deploy_from(caller, name, Upload::Bytes(bytes), grants, source)
+            .await
+    }
+
+    /// [`Registry::deploy`] from bytes in memory or a file (an upload
+    /// streamed to disk, read only when its turn in the caller's queue comes).
+    pub async fn deploy_from(
+        &self,
+        caller: &Caller,
+        name: &str,
+        upload: Upload,
+        grants: Option<Grants>,
+        source: &str,
+    ) -> Result<Deployed, DeployError> {
+        let r = self.deploy_inner(caller, name, upload, grants, source).await;
+        if r.is_err() {
+            self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
+
+    async fn deploy_inner(
+        &self,
+        caller: &Caller,
+        name: &str,
+        upload: Upload,
+        grants: Option<Grants>,
+        source: &str,
+    ) -> Result<Deployed, DeployError> {
         let started = std::time::Instant::now();
         let spec = self.authorize(caller, name)?;
+        let size = upload.size();
+        if size > self.max_size {
+            return Err(DeployError::TooLarge {
+                size,
+                max: self.max_size,
+            });
+        }
+        let grants = grants.unwrap_or_else(|| spec.config_grants.clone());
+        self.check_grants(spec, &grants)?;
+        let _queue = self.queue(caller).lock_owned().await;
+        let _changing = self.changing(name).await;
+        let bytes = match upload {
+            Upload::Bytes(b) => b,
+            Upload::File { path, .. } => tokio::task::spawn_blocking(move || std::fs::read(&path))
+                .await
+                .map_err(|e| DeployError::Store(anyhow::anyhow!("reading the upload: {e}")))?
+                .map_err(|e| DeployError::Store(anyhow::Error::from(e).context("reading the upload back from disk")))?,
+        };
         if bytes.len() > self.max_size {
             return Err(DeployError::TooLarge {
                 size: bytes.len(),
                 max: self.max_size,
             });
         }
-        let grants = grants.unwrap_or_else(|| spec.config_grants.clone());
-        self.check_grants(spec, &grants)?;
-        let _serial = self.serial.lock().await;
         let bytes: Arc<[u8]> = Arc::from(bytes);
         let new_digest = digest(&bytes);
         let (current, same) = {
@@ -816,7 +918,8 @@ impl Registry {
     pub async fn rollback(&self, caller: &Caller, name: &str) -> Result<Deployed, DeployError> {
         let started = std::time::Instant::now();
         self.authorize(caller, name)?;
-        let _serial = self.serial.lock().await;
+        let _queue = self.queue(caller).lock_owned().await;
+        let _changing = self.changing(name).await;
         if let Store::Postgres(pool) = &self.store {
             // Another node may have deployed since: roll back the cluster's current.
             self.sync_one(pool, name).await.map_err(DeployError::Store)?;
@@ -1007,8 +1110,8 @@ impl Registry {
                 }
             }
             {
-                let _serial = self.serial.lock().await;
                 for name in self.specs.keys() {
+                    let _changing = self.changing(name).await;
                     if let Err(e) = self.sync_one(&pool, name).await {
                         tracing::error!(handler = %name, error = %format!("{e:#}"), "cannot apply the cluster's version; the running version stays");
                     }
