@@ -25,7 +25,11 @@ const OPERATOR: &str = "operator-secret-0123456789";
 const ACME: &str = "acme-secret-0123456789";
 const GLOBEX: &str = "globex-secret-0123456789";
 const TOPOLOGY: &str = "hostile-admin";
-const WEIR: &str = env!("CARGO_BIN_EXE_weir");
+/// The `weir` binary; `WEIR_TEST_BIN` overrides it (a target directory
+/// shared by several worktrees may hold another branch's build).
+fn weir_bin() -> String {
+    std::env::var("WEIR_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_weir").to_owned())
+}
 
 fn faulty() -> Vec<u8> {
     std::fs::read(bundled::FAULTY_PATH).unwrap()
@@ -299,7 +303,7 @@ fn weir_run(node_extra: &str) -> Weir {
         ),
     )
     .unwrap();
-    let child = Command::new(WEIR)
+    let child = Command::new(weir_bin())
         .args(["run", "--config"])
         .arg(&cfg)
         .stdout(Stdio::null())
