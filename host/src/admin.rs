@@ -549,14 +549,14 @@ async fn deploy(
 ) -> Response {
     let caller = match s.auth.writer(&headers) {
         Ok(c) => c,
-        Err(d) => return d.into_response(),
+        Err(d) => return refuse(body, &s.limits, d.into_response()).await,
     };
     if let Err(e) = s.registry.access(&caller, &name) {
-        return deploy_error(e);
+        return refuse(body, &s.limits, deploy_error(e)).await;
     }
     let grants = match parse_grants(query.as_deref()) {
         Ok(g) => g,
-        Err(e) => return (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
+        Err(e) => return refuse(body, &s.limits, (StatusCode::BAD_REQUEST, error_body(&e)).into_response()).await,
     };
     let max = s.limits.max_upload;
     let declared = headers
@@ -564,14 +564,15 @@ async fn deploy(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if let Some(n) = declared.filter(|n| *n > max as u64) {
-        return closing(deploy_error(DeployError::TooLarge {
+        let too_large = deploy_error(DeployError::TooLarge {
             size: usize::try_from(n).unwrap_or(usize::MAX),
             max,
-        }));
+        });
+        return refuse(body, &s.limits, too_large).await;
     }
     let _permit = match s.limits.admit(&caller) {
         Ok(p) => p,
-        Err(busy) => return closing(busy),
+        Err(busy) => return refuse(body, &s.limits, busy).await,
     };
     let spooled = match spool(body, &s.limits).await {
         Ok(f) => f,
@@ -599,6 +600,29 @@ fn closing(mut response: Response) -> Response {
         .headers_mut()
         .insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
     response
+}
+
+/// Of a refused upload, the bytes read and thrown away before answering.
+const DRAIN_MAX: usize = 4 << 20;
+/// The longest a refused upload is drained.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Answer a refused upload with `response` after reading and discarding
+/// up to [`DRAIN_MAX`] bytes of its body for at most [`DRAIN_TIME`], so a
+/// client that sends a small body before it reads sees the answer, not a
+/// reset; what is left of a larger or slower body is not read (the
+/// connection closes).
+async fn refuse(body: axum::body::Body, limits: &Limits, response: Response) -> Response {
+    let mut stream = body.into_data_stream();
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME.min(limits.idle_timeout);
+    let mut seen = 0usize;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(None) => return response,
+            Ok(Some(Ok(chunk))) if seen + chunk.len() <= DRAIN_MAX => seen += chunk.len(),
+            _ => return closing(response),
+        }
+    }
 }
 
 /// Stream an upload's body to a file in `limits.upload_dir`, within the
@@ -654,10 +678,11 @@ async fn spool(body: axum::body::Body, limits: &Limits) -> Result<Spooled, Respo
         };
         spooled.size += chunk.len();
         if spooled.size > limits.max_upload {
-            return Err(deploy_error(DeployError::TooLarge {
+            let too_large = deploy_error(DeployError::TooLarge {
                 size: spooled.size,
                 max: limits.max_upload,
-            }));
+            });
+            return Err(refuse(axum::body::Body::new(stream), limits, too_large).await);
         }
         if let Err(e) = file.write_all(&chunk).await {
             return Err(store_error(e, &spooled.path));
