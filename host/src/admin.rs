@@ -8,14 +8,29 @@
 //! `[[tenant]] token` sees and changes only that tenant's handlers. `/health`
 //! and `/ready` are open (probes). With no token configured at all, the
 //! read-only routes are open and deploys are refused. Missing or unknown
-//! token: 401; a tenant token on another tenant's handler or an operator
-//! route: 403; an upload over `node.max_component_size`: 413; a component
-//! that fails validation: 400 with the reason. A refused deploy leaves the
-//! running version serving.
+//! token: 401; a tenant token on an operator route: 403; a tenant token on
+//! a handler that is not its tenant's, whether it exists or not: 404 with
+//! one and the same body; an upload over `node.max_component_size`: 413; a
+//! component that fails validation: 400 with the reason. A refused deploy
+//! leaves the running version serving.
+//!
+//! Hostile clients are bounded: the request line and headers must arrive
+//! within `node.admin_header_timeout` (which also closes idle connections),
+//! an upload within `node.admin_body_timeout` with no pause longer than
+//! `node.admin_idle_timeout` (else 408), at most `node.admin_max_connections`
+//! connections are held (more are closed at once). Uploads are streamed to
+//! a file (`node.data_dir/uploads`, else the system's temporary directory),
+//! never held in memory while they arrive; at most `node.admin_max_uploads`
+//! run at once (more: 503), `node.admin_max_uploads_per_caller` of them for
+//! one token (more: 429), both with `Retry-After`. Each caller's deploys
+//! compile in its own queue (see [`crate::registry`]).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use axum::Router;
@@ -28,11 +43,14 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry as Metrics;
+use futures::StreamExt as _;
+use parking_lot::Mutex;
+use tokio::io::AsyncWriteExt as _;
 use tokio::sync::watch;
 
 use crate::cluster::postgres::{self, SlotStatus, Status};
 use crate::cluster::slots::SlotSet;
-use crate::registry::{Caller, DeployError, DirGrant, Grants};
+use crate::registry::{Caller, DeployError, DirGrant, Grants, Upload};
 use crate::retry::capture::Reason;
 use crate::stats::Stats;
 use crate::transport::Transport;
@@ -53,10 +71,128 @@ pub struct AdminState {
     pub ready: Arc<AtomicBool>,
     /// Handler versions.
     pub registry: Arc<crate::registry::Registry>,
-    /// Largest upload `PUT /v1/handlers/{name}` reads (`node.max_component_size`).
-    pub max_upload: usize,
+    /// What the listener allows a client.
+    pub limits: Limits,
     /// Who may do what.
     pub auth: Auth,
+}
+
+/// The admin listener's bounds (`node.admin_*`, `node.max_component_size`).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest upload `PUT /v1/handlers/{name}` reads.
+    pub max_upload: usize,
+    /// Request line and headers must arrive within this.
+    pub header_timeout: Duration,
+    /// An upload's body must arrive within this.
+    pub body_timeout: Duration,
+    /// Longest pause while an upload's body arrives.
+    pub idle_timeout: Duration,
+    /// Connections held at once.
+    pub max_connections: usize,
+    /// Uploads at once, and per caller.
+    pub max_uploads: usize,
+    /// Uploads one caller may have at once.
+    pub max_uploads_per_caller: usize,
+    /// Where uploads are spooled.
+    pub upload_dir: PathBuf,
+    uploads: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Limits {
+    /// From `[node]`.
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        let n = &config.node;
+        Self {
+            max_upload: usize::try_from(n.max_component_size.bytes()).unwrap_or(usize::MAX),
+            header_timeout: n.admin_header_timeout,
+            body_timeout: n.admin_body_timeout,
+            idle_timeout: n.admin_idle_timeout,
+            max_connections: n.admin_max_connections.max(1) as usize,
+            max_uploads: n.admin_max_uploads.max(1) as usize,
+            max_uploads_per_caller: n.admin_max_uploads_per_caller.max(1) as usize,
+            upload_dir: n
+                .data_dir
+                .as_ref()
+                .map_or_else(std::env::temp_dir, |d| d.join("uploads")),
+            uploads: Arc::default(),
+        }
+    }
+
+    /// A place among the uploads running now, or why not (503: the node's
+    /// cap, 429: this caller's share).
+    fn admit(&self, caller: &Caller) -> Result<UploadPermit, Response> {
+        let key = match caller {
+            Caller::Operator => "operator".to_owned(),
+            Caller::Tenant(t) => format!("tenant:{t}"),
+        };
+        let mut running = self.uploads.lock();
+        let total: usize = running.values().sum();
+        let mine = running.get(&key).copied().unwrap_or(0);
+        let busy = |status: StatusCode, why: String| {
+            (status, [(header::RETRY_AFTER, RETRY_AFTER_SECS)], error_body(&why)).into_response()
+        };
+        if total >= self.max_uploads {
+            return Err(busy(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "{total} uploads are running on this node, node.admin_max_uploads allows {}; retry later (the running version stays)",
+                    self.max_uploads
+                ),
+            ));
+        }
+        if mine >= self.max_uploads_per_caller {
+            return Err(busy(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "this token has {mine} uploads running, node.admin_max_uploads_per_caller allows {}; retry later (the running version stays)",
+                    self.max_uploads_per_caller
+                ),
+            ));
+        }
+        *running.entry(key.clone()).or_default() += 1;
+        Ok(UploadPermit {
+            running: self.uploads.clone(),
+            key,
+        })
+    }
+}
+
+/// Seconds a client told 503/429 should wait before trying again.
+const RETRY_AFTER_SECS: &str = "5";
+
+/// One running upload; counted until dropped.
+struct UploadPermit {
+    running: Arc<Mutex<HashMap<String, usize>>>,
+    key: String,
+}
+
+impl Drop for UploadPermit {
+    fn drop(&mut self) {
+        let mut running = self.running.lock();
+        if let Some(n) = running.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                running.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// An upload spooled to a file, removed when dropped.
+struct Spooled {
+    path: PathBuf,
+    size: usize,
+}
+
+impl Drop for Spooled {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(file = %self.path.display(), error = %e, "cannot remove a spooled upload");
+        }
+    }
 }
 
 /// The tokens, kept as sha256 digests and compared digest to digest, so a
@@ -168,12 +304,14 @@ impl Auth {
 pub async fn serve(
     addr: SocketAddr,
     state: Arc<AdminState>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("node.admin = \"{addr}\": cannot listen there"))?;
     tracing::info!(%addr, "admin listener up");
+    clear_spool(&state.limits);
+    let limits = state.limits.clone();
     let app = Router::new()
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready))
@@ -185,18 +323,94 @@ pub async fn serve(
         // Uploads are read by `deploy` itself, after the token is checked.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state);
-    Ok(tokio::spawn(async move {
-        let shutdown = async move {
-            while !*stop.borrow() {
-                if stop.changed().await.is_err() {
-                    break;
-                }
-            }
-        };
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-            tracing::error!(error = %e, "admin listener failed");
+    Ok(tokio::spawn(accept_loop(listener, app, limits, stop)))
+}
+
+/// Spooled uploads a crash left in `node.data_dir/uploads` (never in the
+/// shared temporary directory, where they cannot be told from others').
+fn clear_spool(limits: &Limits) {
+    if limits.upload_dir == std::env::temp_dir() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(&limits.upload_dir) else {
+        return;
+    };
+    for e in entries.filter_map(Result::ok) {
+        if e.file_name().to_string_lossy().ends_with(".upload") {
+            let _ = std::fs::remove_file(e.path());
         }
-    }))
+    }
+}
+
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    while !*stop.borrow() {
+        if stop.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Accept connections, at most `limits.max_connections` at once (one more
+/// is closed as soon as it is accepted: it holds no file descriptor), each
+/// with hyper's header-read timeout. At `stop`: no new connections, the open
+/// ones finish their request and close.
+async fn accept_loop(listener: tokio::net::TcpListener, app: Router, limits: Limits, mut stop: watch::Receiver<bool>) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let refused = AtomicU64::new(0);
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, peer)) => {
+                    let Ok(permit) = permits.clone().try_acquire_owned() else {
+                        let n = refused.fetch_add(1, Ordering::Relaxed);
+                        if n.is_power_of_two() || n == 0 {
+                            tracing::warn!(%peer, refused = n + 1, max = limits.max_connections, "admin connection refused: node.admin_max_connections are open");
+                        }
+                        drop(tcp);
+                        continue;
+                    };
+                    connections.spawn(connection(tcp, app.clone(), limits.header_timeout, stop.clone(), permit));
+                }
+                Err(e) => {
+                    // Out of file descriptors, usually: wait for some to close.
+                    tracing::warn!(error = %e, "admin listener cannot accept");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            () = stopped(&mut stop) => break,
+        }
+    }
+    drop(listener);
+    while connections.join_next().await.is_some() {}
+}
+
+async fn connection(
+    tcp: tokio::net::TcpStream,
+    app: Router,
+    header_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "admin connection closed");
+            }
+            return;
+        }
+        () = stopped(&mut stop) => conn.as_mut().graceful_shutdown(),
+    }
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "admin connection closed");
+    }
 }
 
 async fn ready(State(s): State<Arc<AdminState>>) -> Response {
@@ -283,11 +497,8 @@ async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<String>, hea
         Ok(c) => c,
         Err(d) => return d.into_response(),
     };
-    if s.registry.tenant_of(&name).is_none() {
-        return deploy_error(DeployError::UnknownHandler(name));
-    }
-    if !s.registry.visible(&caller, &name) {
-        return Denied::Forbidden(format!("handler `{name}` belongs to another tenant")).into_response();
+    if let Err(e) = s.registry.access(&caller, &name) {
+        return deploy_error(e);
     }
     match s.registry.list(&caller).into_iter().find(|h| h.name == name) {
         Some(h) => axum::Json(h).into_response(),
@@ -297,7 +508,7 @@ async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<String>, hea
 
 fn deploy_error(e: DeployError) -> Response {
     let status = match &e {
-        DeployError::UnknownHandler(_) => StatusCode::NOT_FOUND,
+        DeployError::UnknownHandler(_) | DeployError::NotVisible(_) => StatusCode::NOT_FOUND,
         DeployError::Forbidden(_) => StatusCode::FORBIDDEN,
         DeployError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
         DeployError::Invalid(_) => StatusCode::BAD_REQUEST,
@@ -350,45 +561,149 @@ async fn deploy(
 ) -> Response {
     let caller = match s.auth.writer(&headers) {
         Ok(c) => c,
-        Err(d) => return d.into_response(),
+        Err(d) => return refuse(body, &s.limits, d.into_response()).await,
     };
-    if s.registry.tenant_of(&name).is_none() {
-        return deploy_error(DeployError::UnknownHandler(name));
-    }
-    if !s.registry.visible(&caller, &name) {
-        return Denied::Forbidden(format!(
-            "handler `{name}` does not belong to this token's tenant; a tenant token changes only its own handlers"
-        ))
-        .into_response();
+    if let Err(e) = s.registry.access(&caller, &name) {
+        return refuse(body, &s.limits, deploy_error(e)).await;
     }
     let grants = match parse_grants(query.as_deref()) {
         Ok(g) => g,
-        Err(e) => return (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
+        Err(e) => return refuse(body, &s.limits, (StatusCode::BAD_REQUEST, error_body(&e)).into_response()).await,
     };
-    let max = s.max_upload;
-    let bytes = match axum::body::to_bytes(body, max).await {
-        Ok(b) => b,
-        Err(e) => {
-            let mut too_large = false;
-            let mut src: Option<&dyn std::error::Error> = Some(&e);
-            while let Some(x) = src {
-                too_large |= x.to_string().contains("length limit exceeded");
-                src = x.source();
-            }
-            return if too_large {
-                deploy_error(DeployError::TooLarge { size: max + 1, max })
-            } else {
-                (StatusCode::BAD_REQUEST, error_body(&format!("reading the upload: {e}"))).into_response()
-            };
-        }
+    let max = s.limits.max_upload;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|n| *n > max as u64) {
+        let too_large = deploy_error(DeployError::TooLarge {
+            size: usize::try_from(n).unwrap_or(usize::MAX),
+            max,
+        });
+        return refuse(body, &s.limits, too_large).await;
+    }
+    let _permit = match s.limits.admit(&caller) {
+        Ok(p) => p,
+        Err(busy) => return refuse(body, &s.limits, busy).await,
     };
-    match s.registry.deploy(&caller, &name, bytes.to_vec(), grants, "admin").await {
+    let spooled = match spool(body, &s.limits).await {
+        Ok(f) => f,
+        Err(refused) => return closing(refused),
+    };
+    let upload = Upload::File {
+        path: spooled.path.clone(),
+        size: spooled.size,
+    };
+    let result = s.registry.deploy_from(&caller, &name, upload, grants, "admin").await;
+    drop(spooled);
+    match result {
         Ok(d) => axum::Json(d).into_response(),
         Err(e) => {
             tracing::warn!(handler = %name, error = %e, "deploy refused; the running version stays");
             deploy_error(e)
         }
     }
+}
+
+/// `response`, and close the connection after it (the rest of a request
+/// body is not read).
+fn closing(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+    response
+}
+
+/// Of a refused upload, the bytes read and thrown away before answering.
+const DRAIN_MAX: usize = 4 << 20;
+/// The longest a refused upload is drained.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Answer a refused upload with `response` after reading and discarding
+/// up to [`DRAIN_MAX`] bytes of its body for at most [`DRAIN_TIME`], so a
+/// client that sends a small body before it reads sees the answer, not a
+/// reset; what is left of a larger or slower body is not read (the
+/// connection closes).
+async fn refuse(body: axum::body::Body, limits: &Limits, response: Response) -> Response {
+    let mut stream = body.into_data_stream();
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME.min(limits.idle_timeout);
+    let mut seen = 0usize;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(None) => return response,
+            Ok(Some(Ok(chunk))) if seen + chunk.len() <= DRAIN_MAX => seen += chunk.len(),
+            _ => return closing(response),
+        }
+    }
+}
+
+/// Stream an upload's body to a file in `limits.upload_dir`, within the
+/// size cap and the body timeouts.
+async fn spool(body: axum::body::Body, limits: &Limits) -> Result<Spooled, Response> {
+    let store_error = |e: std::io::Error, path: &std::path::Path| {
+        tracing::error!(file = %path.display(), error = %e, "cannot spool an upload");
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            error_body(&format!("cannot spool the upload to {}: {e}", path.display())),
+        )
+            .into_response()
+    };
+    if let Err(e) = tokio::fs::create_dir_all(&limits.upload_dir).await {
+        return Err(store_error(e, &limits.upload_dir));
+    }
+    let mut spooled = Spooled {
+        path: limits
+            .upload_dir
+            .join(format!("weir-{}.upload", uuid::Uuid::new_v4())),
+        size: 0,
+    };
+    let mut file = match tokio::fs::File::create(&spooled.path).await {
+        Ok(f) => f,
+        Err(e) => return Err(store_error(e, &spooled.path)),
+    };
+    let timed_out = |why: String| (StatusCode::REQUEST_TIMEOUT, error_body(&why)).into_response();
+    let deadline = tokio::time::Instant::now() + limits.body_timeout;
+    let mut stream = body.into_data_stream();
+    loop {
+        let pause = tokio::time::Instant::now() + limits.idle_timeout;
+        let next = match tokio::time::timeout_at(pause.min(deadline), stream.next()).await {
+            Ok(next) => next,
+            Err(_) if tokio::time::Instant::now() >= deadline => {
+                return Err(timed_out(format!(
+                    "the upload did not arrive within node.admin_body_timeout ({:?}); {} bytes came",
+                    limits.body_timeout, spooled.size
+                )));
+            }
+            Err(_) => {
+                return Err(timed_out(format!(
+                    "the upload paused longer than node.admin_idle_timeout ({:?}) after {} bytes",
+                    limits.idle_timeout, spooled.size
+                )));
+            }
+        };
+        let chunk = match next {
+            None => break,
+            Some(Ok(chunk)) => chunk,
+            Some(Err(e)) => {
+                return Err((StatusCode::BAD_REQUEST, error_body(&format!("reading the upload: {e}"))).into_response());
+            }
+        };
+        spooled.size += chunk.len();
+        if spooled.size > limits.max_upload {
+            let too_large = deploy_error(DeployError::TooLarge {
+                size: spooled.size,
+                max: limits.max_upload,
+            });
+            return Err(refuse(axum::body::Body::new(stream), limits, too_large).await);
+        }
+        if let Err(e) = file.write_all(&chunk).await {
+            return Err(store_error(e, &spooled.path));
+        }
+    }
+    if let Err(e) = file.flush().await {
+        return Err(store_error(e, &spooled.path));
+    }
+    Ok(spooled)
 }
 
 async fn rollback(State(s): State<Arc<AdminState>>, Path(name): Path<String>, headers: HeaderMap) -> Response {
@@ -661,6 +976,13 @@ impl Collector for Scrape {
             "Deploys and rollbacks that changed a handler's version on this node.",
             None,
             swaps.metric_type(),
+        )?)?;
+        let refused = ConstCounter::new(self.handlers.refused());
+        refused.encode(encoder.encode_descriptor(
+            "handler_deploys_refused",
+            "Deploys refused (invalid, too large, grants refused, store failed); the running version stayed.",
+            None,
+            refused.metric_type(),
         )?)?;
         let owned = ConstGauge::new(i64::try_from(self.slots.running().len()).unwrap_or(i64::MAX));
         owned.encode(encoder.encode_descriptor(

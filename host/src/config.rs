@@ -67,6 +67,19 @@ pub mod defaults {
     /// address space for its memories; 4096 of them about 32 TiB of the 128 TiB there is).
     pub const INSTANCE_POOL_MAX: u32 = 4096;
 
+    /// `node.admin_header_timeout`.
+    pub const ADMIN_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+    /// `node.admin_body_timeout`.
+    pub const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(120);
+    /// `node.admin_idle_timeout`.
+    pub const ADMIN_IDLE_TIMEOUT: Duration = Duration::from_secs(15);
+    /// `node.admin_max_connections`.
+    pub const ADMIN_MAX_CONNECTIONS: u32 = 256;
+    /// `node.admin_max_uploads`.
+    pub const ADMIN_MAX_UPLOADS: u32 = 4;
+    /// `node.admin_max_uploads_per_caller`.
+    pub const ADMIN_MAX_UPLOADS_PER_CALLER: u32 = 2;
+
     /// `node.name`: the host name and the process id, `"{host}-{pid}"`.
     pub fn node_name() -> String {
         let host = std::env::var("HOSTNAME")
@@ -95,6 +108,24 @@ pub mod defaults {
     }
     pub(super) fn error_bytes() -> ByteSize {
         ERROR_BYTES
+    }
+    pub(super) fn admin_header_timeout() -> Duration {
+        ADMIN_HEADER_TIMEOUT
+    }
+    pub(super) fn admin_body_timeout() -> Duration {
+        ADMIN_BODY_TIMEOUT
+    }
+    pub(super) fn admin_idle_timeout() -> Duration {
+        ADMIN_IDLE_TIMEOUT
+    }
+    pub(super) fn admin_max_connections() -> u32 {
+        ADMIN_MAX_CONNECTIONS
+    }
+    pub(super) fn admin_max_uploads() -> u32 {
+        ADMIN_MAX_UPLOADS
+    }
+    pub(super) fn admin_max_uploads_per_caller() -> u32 {
+        ADMIN_MAX_UPLOADS_PER_CALLER
     }
     pub(super) fn prefetch() -> u32 {
         PREFETCH
@@ -188,6 +219,32 @@ pub struct Node {
     /// handlers (at least 256). Cached idle instances are evicted when the pool is full.
     #[serde(default)]
     pub instance_pool: Option<u32>,
+    /// How long the admin listener waits for a request's line and headers, counted from when
+    /// the connection opens or its previous response is sent: an idle connection, or one whose
+    /// headers trickle in, is closed after this. E.g. `"10s"`.
+    #[serde(default = "defaults::admin_header_timeout", deserialize_with = "de_duration")]
+    pub admin_header_timeout: Duration,
+    /// The longest an upload's body may take to arrive; past it the request is answered 408
+    /// and the connection closed.
+    #[serde(default = "defaults::admin_body_timeout", deserialize_with = "de_duration")]
+    pub admin_body_timeout: Duration,
+    /// The longest pause (no byte received) while an upload's body arrives; past it: 408 and
+    /// the connection closed.
+    #[serde(default = "defaults::admin_idle_timeout", deserialize_with = "de_duration")]
+    pub admin_idle_timeout: Duration,
+    /// Connections the admin listener holds open at once; one more is closed as soon as it is
+    /// accepted.
+    #[serde(default = "defaults::admin_max_connections")]
+    pub admin_max_connections: u32,
+    /// Uploads (`PUT /v1/handlers/{name}`) received, queued or validated at once on this node
+    /// (each streamed to a file, not held in memory); one more is answered 503 with
+    /// `Retry-After`, and the running version stays.
+    #[serde(default = "defaults::admin_max_uploads")]
+    pub admin_max_uploads: u32,
+    /// Of `admin_max_uploads`, how many one caller (a tenant token, or the operator) may hold,
+    /// so one tenant cannot take every upload slot; one more: 429 with `Retry-After`.
+    #[serde(default = "defaults::admin_max_uploads_per_caller")]
+    pub admin_max_uploads_per_caller: u32,
 }
 
 /// `[node.budgets]`: per call, for every handler on the node. What is over a budget is
@@ -252,6 +309,12 @@ impl Default for Node {
             max_component_size: defaults::MAX_COMPONENT_SIZE,
             budgets: Budgets::default(),
             instance_pool: None,
+            admin_header_timeout: defaults::ADMIN_HEADER_TIMEOUT,
+            admin_body_timeout: defaults::ADMIN_BODY_TIMEOUT,
+            admin_idle_timeout: defaults::ADMIN_IDLE_TIMEOUT,
+            admin_max_connections: defaults::ADMIN_MAX_CONNECTIONS,
+            admin_max_uploads: defaults::ADMIN_MAX_UPLOADS,
+            admin_max_uploads_per_caller: defaults::ADMIN_MAX_UPLOADS_PER_CALLER,
         }
     }
 }
@@ -341,13 +404,23 @@ impl Tenant {
                     ),
                 ));
             }
-            let allowed = self.allow.dirs.iter().any(|d| is_within(host, d));
+            // Compared as resolved paths (symlinks followed) where they
+            // exist, so a link under an allowed directory cannot point out
+            // of it; as written where they do not (opening fails later).
+            let resolved = std::fs::canonicalize(host).unwrap_or_else(|_| host.clone());
+            let roots = self.resolved_allow_dirs();
+            let allowed = is_within(host, Path::new("/")) && roots.iter().any(|d| is_within(&resolved, d));
             if !allowed {
+                let via = if resolved == *host {
+                    String::new()
+                } else {
+                    format!(" (it resolves to {})", resolved.display())
+                };
                 out.push((
                     format!("preopens[{k}].host"),
                     format!(
-                        "{} (guest {guest:?}) is not within a directory tenant {:?} may grant; accepted: one of {:?} \
-                         (tenant.allow.dirs) or below",
+                        "{}{via} (guest {guest:?}) is not within a directory tenant {:?} may grant; accepted: one of {:?} \
+                         (tenant.allow.dirs) or below, after following symlinks",
                         host.display(),
                         self.name,
                         self.allow.dirs
@@ -359,9 +432,20 @@ impl Tenant {
     }
 }
 
+impl Tenant {
+    /// `allow.dirs` with symlinks resolved (as written where a directory does not exist).
+    pub fn resolved_allow_dirs(&self) -> Vec<PathBuf> {
+        self.allow
+            .dirs
+            .iter()
+            .map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone()))
+            .collect()
+    }
+}
+
 /// Whether `path` is `dir` or below it, compared component by component after removing `.`
 /// and refusing `..` (a path with `..` is never within).
-fn is_within(path: &Path, dir: &Path) -> bool {
+pub(crate) fn is_within(path: &Path, dir: &Path) -> bool {
     use std::path::Component;
     if path.components().any(|c| c == Component::ParentDir) || dir.components().any(|c| c == Component::ParentDir) {
         return false;
@@ -1093,6 +1177,25 @@ impl Config {
                 "node.instance_pool",
                 format!("{n} is out of range; accepted: 1 to {}", defaults::INSTANCE_POOL_MAX),
             );
+        }
+        let n = &self.node;
+        for (key, d) in [
+            ("node.admin_header_timeout", n.admin_header_timeout),
+            ("node.admin_body_timeout", n.admin_body_timeout),
+            ("node.admin_idle_timeout", n.admin_idle_timeout),
+        ] {
+            if d.is_zero() {
+                errors.add(key, "is 0s; accepted: a positive duration such as \"10s\"");
+            }
+        }
+        for (key, v) in [
+            ("node.admin_max_connections", n.admin_max_connections),
+            ("node.admin_max_uploads", n.admin_max_uploads),
+            ("node.admin_max_uploads_per_caller", n.admin_max_uploads_per_caller),
+        ] {
+            if v == 0 {
+                errors.add(key, "is 0; accepted: 1 or more");
+            }
         }
         let t = &self.transport;
         let kind = t.kind.as_str();

@@ -369,7 +369,7 @@ impl Node {
                     ready: ready.clone(),
                     registry: registry.clone(),
                     auth: admin::Auth::from_config(config),
-                    max_upload: usize::try_from(config.node.max_component_size.bytes()).unwrap_or(usize::MAX),
+                    limits: admin::Limits::from_config(config),
                 });
                 Some(admin::serve(addr, state, stop_rx.clone()).await?)
             }

@@ -59,6 +59,90 @@ pub struct DirGrant {
     pub host: PathBuf,
 }
 
+/// A directory grant opened once, when its version is loaded (deploy,
+/// start, rollback, a cluster sync). The guest is given this handle (as
+/// `/proc/self/fd/N`, which opens the very directory the handle holds,
+/// never walking the granted path again), so a symlink swapped after the
+/// check cannot redirect the grant: there is no window between check and
+/// open. Where the handle is now (its `/proc/self/fd` link) is checked
+/// against the tenant's allow list (symlinks resolved) when it is opened
+/// and again at every instantiation, so a granted directory moved out of
+/// the allow list later is not given to new instances either. Linux only.
+pub struct PinnedDir {
+    dir: std::fs::File,
+    granted: PathBuf,
+    /// The tenant's `allow.dirs`, resolved; `None`: no allow list (a handler of no tenant).
+    within: Option<Vec<PathBuf>>,
+}
+
+impl std::fmt::Debug for PinnedDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedDir")
+            .field("granted", &self.granted)
+            .field("fd", &std::os::fd::AsRawFd::as_raw_fd(&self.dir))
+            .finish()
+    }
+}
+
+/// Two pins are equal only when they are the same handle.
+impl PartialEq for PinnedDir {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+impl Eq for PinnedDir {}
+
+impl PinnedDir {
+    /// Open `granted` (following symlinks) and check where the handle landed.
+    pub fn open(granted: &Path, within: Option<Vec<PathBuf>>) -> Result<Self, String> {
+        let dir = std::fs::File::open(granted).map_err(|e| format!("{}: cannot be opened: {e}", granted.display()))?;
+        let is_dir = dir.metadata().map(|m| m.is_dir()).unwrap_or(false);
+        if !is_dir {
+            return Err(format!("{}: not a directory; accepted: a directory", granted.display()));
+        }
+        let pin = Self {
+            dir,
+            granted: granted.to_owned(),
+            within,
+        };
+        pin.location()?;
+        Ok(pin)
+    }
+
+    fn fd_path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&self.dir)))
+    }
+
+    /// Where the directory is now, refused when that is outside the allow list.
+    pub fn location(&self) -> Result<PathBuf, String> {
+        let now = std::fs::read_link(self.fd_path())
+            .map_err(|e| format!("{}: cannot tell where the opened directory is: {e}", self.granted.display()))?;
+        if let Some(roots) = &self.within
+            && !roots.iter().any(|r| config::is_within(&now, r))
+        {
+            return Err(format!(
+                "{} resolves to {}, which is not within a directory the tenant may grant; accepted: one of {:?} \
+                 (tenant.allow.dirs, symlinks resolved) or below",
+                self.granted.display(),
+                now.display(),
+                roots
+            ));
+        }
+        Ok(now)
+    }
+
+    /// The path that opens this very directory, after checking where it is now.
+    pub fn open_path(&self) -> Result<PathBuf, String> {
+        self.location()?;
+        Ok(self.fd_path())
+    }
+
+    /// The path the grant named.
+    pub fn granted(&self) -> &Path {
+        &self.granted
+    }
+}
+
 /// One deploy or rollback that made a version current.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Activation {
@@ -87,6 +171,10 @@ pub enum DeployError {
     /// No `[[handler]]` of that name.
     #[error("no handler named `{0}` is configured on this node")]
     UnknownHandler(String),
+    /// A tenant token asked for a handler that is not its tenant's, or for
+    /// none at all: both answer alike (404, the same text).
+    #[error("no handler named `{0}` is visible to this token (a tenant token sees only its own tenant's handlers)")]
+    NotVisible(String),
     /// The caller may not change this handler, or asked for grants beyond its tenant's.
     #[error("{0}")]
     Forbidden(String),
@@ -107,6 +195,29 @@ pub enum DeployError {
     /// The data directory or the database failed; nothing was swapped.
     #[error("{0:#}")]
     Store(anyhow::Error),
+}
+
+/// The component a deploy brings.
+#[derive(Debug)]
+pub enum Upload {
+    /// In memory.
+    Bytes(Vec<u8>),
+    /// In a file of `size` bytes (the admin listener's spooled upload).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        size: usize,
+    },
+}
+
+impl Upload {
+    fn size(&self) -> usize {
+        match self {
+            Upload::Bytes(b) => b.len(),
+            Upload::File { size, .. } => *size,
+        }
+    }
 }
 
 /// What a deploy or rollback did.
@@ -149,6 +260,8 @@ struct Spec {
     settings: HandlerSettings,
     /// The grants the config file gives it.
     config_grants: Grants,
+    /// Whether each configured directory is read-only (`config_grants.dirs` order).
+    config_read_only: Vec<bool>,
     /// The component as configured (file or bundled).
     config_bytes: Arc<[u8]>,
     config_origin: String,
@@ -280,9 +393,13 @@ pub struct Registry {
     store: Store,
     max_size: usize,
     states: Mutex<HashMap<String, State>>,
-    /// One deploy or rollback at a time on this node.
-    serial: tokio::sync::Mutex<()>,
+    /// Deploy queues: one per caller (each tenant, the operator), so one
+    /// tenant's deploys (compiling for minutes) never delay another's.
+    queues: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One change at a time per handler (a tenant's deploy, the operator's, a cluster sync).
+    changing: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
     swaps: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
 }
 
 /// The admission a tenant's handlers share, one per `[[tenant]]`.
@@ -388,6 +505,7 @@ impl Registry {
                     tenant: h.tenant.clone(),
                     settings: base_settings(h, config, &shares),
                     config_grants: config_grants(h),
+                    config_read_only: h.wasi.preopens.iter().map(|p| p.read_only).collect(),
                     config_bytes: Arc::from(bytes),
                     config_origin: format!("handler[{i}].component ({})", h.component.display()),
                 },
@@ -404,6 +522,7 @@ impl Registry {
             }
             (None, None) => Store::Memory,
         };
+        let specs_names: Vec<String> = specs.keys().cloned().collect();
         let registry = Arc::new(Self {
             runtime,
             router,
@@ -413,8 +532,10 @@ impl Registry {
             store,
             max_size: usize::try_from(config.node.max_component_size.bytes()).unwrap_or(usize::MAX),
             states: Mutex::new(HashMap::new()),
-            serial: tokio::sync::Mutex::new(()),
+            queues: Mutex::new(HashMap::new()),
+            changing: specs_names.iter().map(|n| (n.clone(), Arc::default())).collect(),
             swaps: std::sync::atomic::AtomicU64::new(0),
+            refused: std::sync::atomic::AtomicU64::new(0),
         });
         for name in registry.specs.keys() {
             registry
@@ -436,6 +557,11 @@ impl Registry {
     /// Swaps so far (deploys and rollbacks that changed a version).
     pub fn swaps(&self) -> u64 {
         self.swaps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Deploys refused so far (admin uploads and the components directory).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The tenant a handler is bound to.
@@ -561,18 +687,22 @@ impl Registry {
         grants: &Grants,
         origin: &str,
         priority: Priority,
-    ) -> anyhow::Result<Arc<HandlerVersion>> {
-        let settings = self.settings(name, grants);
+    ) -> Result<Arc<HandlerVersion>, DeployError> {
+        let settings = self.settings(name, grants)?;
         let (rt, bytes, origin) = (self.runtime.clone(), bytes.clone(), origin.to_owned());
         tokio::task::spawn_blocking(move || match (priority, background_compiler()) {
             (Priority::Background, Some(pool)) => pool.install(|| rt.load(&bytes, settings, &origin)),
             _ => rt.load(&bytes, settings, &origin),
         })
         .await
-        .context("compiling a component")?
+        .map_err(|e| DeployError::Invalid(format!("compiling a component: {e}")))?
+        .map_err(|e| DeployError::Invalid(format!("{e:#}")))
     }
 
-    fn settings(&self, name: &str, grants: &Grants) -> HandlerSettings {
+    /// The runtime settings of a version with `grants`. Each granted
+    /// directory is opened here, once ([`PinnedDir`]): refused when it
+    /// resolves outside the tenant's `allow.dirs`.
+    fn settings(&self, name: &str, grants: &Grants) -> Result<HandlerSettings, DeployError> {
         let spec = &self.specs[name];
         let mut s = spec.settings.clone();
         s.wasi.env = grants
@@ -580,20 +710,31 @@ impl Registry {
             .iter()
             .filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v)))
             .collect();
+        let within = spec
+            .tenant
+            .as_deref()
+            .map(|t| self.tenants.get(t).map(config::Tenant::resolved_allow_dirs).unwrap_or_default());
         // The configured grants keep the modes the config gives (an
         // operator's read-write directory); deployed grants are read-only.
-        if *grants != spec.config_grants {
-            s.wasi.preopens = grants
-                .dirs
-                .iter()
-                .map(|d| runtime::Preopen {
-                    host: d.host.clone(),
+        let configured = *grants == spec.config_grants;
+        let mut refused = Vec::new();
+        for (k, d) in grants.dirs.iter().enumerate() {
+            let read_only = !configured || spec.config_read_only.get(k).copied().unwrap_or(true);
+            match PinnedDir::open(&d.host, within.clone()) {
+                Ok(pin) => s.wasi.preopens.push(runtime::Preopen {
+                    host: pin.location().unwrap_or_else(|_| d.host.clone()),
                     guest: d.guest.clone(),
-                    read_only: true,
-                })
-                .collect();
+                    read_only,
+                    pinned: Some(Arc::new(pin)),
+                }),
+                Err(e) => refused.push(format!("dirs[{k}] (guest {:?}): {e}", d.guest)),
+            }
         }
-        s
+        if refused.is_empty() {
+            Ok(s)
+        } else {
+            Err(DeployError::Forbidden(format!("grants refused: {}", refused.join("; "))))
+        }
     }
 
     /// Store a version and an activation of it; returns the activation.
@@ -627,22 +768,49 @@ impl Registry {
     }
 
     fn authorize(&self, caller: &Caller, name: &str) -> Result<&Spec, DeployError> {
-        let spec = self
-            .specs
-            .get(name)
-            .ok_or_else(|| DeployError::UnknownHandler(name.to_owned()))?;
-        match caller {
-            Caller::Operator => Ok(spec),
-            Caller::Tenant(t) if spec.tenant.as_deref() == Some(t.as_str()) => Ok(spec),
-            Caller::Tenant(t) => Err(DeployError::Forbidden(format!(
-                "handler `{name}` does not belong to tenant {t:?}; a tenant token changes only its own tenant's handlers"
-            ))),
+        let spec = self.specs.get(name);
+        match (caller, spec) {
+            (Caller::Operator, Some(spec)) => Ok(spec),
+            (Caller::Operator, None) => Err(DeployError::UnknownHandler(name.to_owned())),
+            (Caller::Tenant(t), Some(spec)) if spec.tenant.as_deref() == Some(t.as_str()) => Ok(spec),
+            // Another tenant's handler and no handler at all answer alike,
+            // so a tenant token cannot learn which names exist.
+            (Caller::Tenant(_), _) => Err(DeployError::NotVisible(name.to_owned())),
         }
+    }
+
+    /// Whether `caller` may see and change handler `name`: `UnknownHandler`
+    /// (operator) or `NotVisible` (tenant, whether it exists or not) if not.
+    pub fn access(&self, caller: &Caller, name: &str) -> Result<(), DeployError> {
+        self.authorize(caller, name).map(|_| ())
     }
 
     /// Whether `caller` may see handler `name`.
     pub fn visible(&self, caller: &Caller, name: &str) -> bool {
         self.authorize(caller, name).is_ok()
+    }
+
+    /// The deploy queue of `caller`: each tenant has its own, the operator too.
+    fn queue(&self, caller: &Caller) -> Arc<tokio::sync::Mutex<()>> {
+        let key = match caller {
+            Caller::Operator => "operator".to_owned(),
+            Caller::Tenant(t) => format!("tenant:{t}"),
+        };
+        self.queues.lock().entry(key).or_default().clone()
+    }
+
+    async fn changing(&self, name: &str) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        match self.changing.get(name) {
+            Some(m) => Some(m.clone().lock_owned().await),
+            None => None,
+        }
+    }
+
+    /// Hold `caller`'s deploy queue (tests: a deploy of that caller that
+    /// compiles for ever). Deploys of other callers must not wait for it.
+    #[doc(hidden)]
+    pub async fn hold_queue(&self, caller: &Caller) -> tokio::sync::OwnedMutexGuard<()> {
+        self.queue(caller).lock_owned().await
     }
 
     /// Validate `bytes` and make them the current version of `name`.
@@ -655,17 +823,61 @@ impl Registry {
         grants: Option<Grants>,
         source: &str,
     ) -> Result<Deployed, DeployError> {
+        self.deploy_from(caller, name, Upload::Bytes(bytes), grants, source)
+            .await
+    }
+
+    /// [`Registry::deploy`] from bytes in memory or a file (an upload
+    /// streamed to disk, read only when its turn in the caller's queue comes).
+    pub async fn deploy_from(
+        &self,
+        caller: &Caller,
+        name: &str,
+        upload: Upload,
+        grants: Option<Grants>,
+        source: &str,
+    ) -> Result<Deployed, DeployError> {
+        let r = self.deploy_inner(caller, name, upload, grants, source).await;
+        if r.is_err() {
+            self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
+
+    async fn deploy_inner(
+        &self,
+        caller: &Caller,
+        name: &str,
+        upload: Upload,
+        grants: Option<Grants>,
+        source: &str,
+    ) -> Result<Deployed, DeployError> {
         let started = std::time::Instant::now();
         let spec = self.authorize(caller, name)?;
+        let size = upload.size();
+        if size > self.max_size {
+            return Err(DeployError::TooLarge {
+                size,
+                max: self.max_size,
+            });
+        }
+        let grants = grants.unwrap_or_else(|| spec.config_grants.clone());
+        self.check_grants(spec, &grants)?;
+        let _queue = self.queue(caller).lock_owned().await;
+        let _changing = self.changing(name).await;
+        let bytes = match upload {
+            Upload::Bytes(b) => b,
+            Upload::File { path, .. } => tokio::task::spawn_blocking(move || std::fs::read(&path))
+                .await
+                .map_err(|e| DeployError::Store(anyhow::anyhow!("reading the upload: {e}")))?
+                .map_err(|e| DeployError::Store(anyhow::Error::from(e).context("reading the upload back from disk")))?,
+        };
         if bytes.len() > self.max_size {
             return Err(DeployError::TooLarge {
                 size: bytes.len(),
                 max: self.max_size,
             });
         }
-        let grants = grants.unwrap_or_else(|| spec.config_grants.clone());
-        self.check_grants(spec, &grants)?;
-        let _serial = self.serial.lock().await;
         let bytes: Arc<[u8]> = Arc::from(bytes);
         let new_digest = digest(&bytes);
         let (current, same) = {
@@ -689,8 +901,7 @@ impl Registry {
         let origin = format!("upload for handler `{name}` ({} bytes)", bytes.len());
         let version = self
             .compile(name, &bytes, &grants, &origin, Priority::Background)
-            .await
-            .map_err(|e| DeployError::Invalid(format!("{e:#}")))?;
+            .await?;
         self.commit(name, version, &bytes, &grants, source, current.as_ref().map(|c| c.seq))
             .await?;
         Ok(Deployed {
@@ -707,7 +918,8 @@ impl Registry {
     pub async fn rollback(&self, caller: &Caller, name: &str) -> Result<Deployed, DeployError> {
         let started = std::time::Instant::now();
         self.authorize(caller, name)?;
-        let _serial = self.serial.lock().await;
+        let _queue = self.queue(caller).lock_owned().await;
+        let _changing = self.changing(name).await;
         if let Store::Postgres(pool) = &self.store {
             // Another node may have deployed since: roll back the cluster's current.
             self.sync_one(pool, name).await.map_err(DeployError::Store)?;
@@ -744,8 +956,7 @@ impl Registry {
                         &format!("version {}", target.digest),
                         Priority::Background,
                     )
-                    .await
-                    .map_err(|e| DeployError::Invalid(format!("{e:#}")))?
+                    .await?
                 }
             }
         };
@@ -819,16 +1030,22 @@ impl Registry {
         self.activate(name, version, activation).map_err(DeployError::Store)
     }
 
-    /// Swap: install `version` and remember the activation.
+    /// Swap: remember the activation and install `version`. In the data
+    /// directory the history is written first: when that write fails,
+    /// neither the registry nor the router changes (all or nothing), so the
+    /// same deploy can be made again.
     fn activate(&self, name: &str, version: Arc<HandlerVersion>, activation: Activation) -> anyhow::Result<()> {
         let mut states = self.states.lock();
         let state = states.entry(name.to_owned()).or_default();
-        state.activations.push(activation.clone());
-        state.keep(&activation.grants, version.clone());
         if let Store::Dir(dir) = &self.store {
             let config_digest = digest(&self.specs[name].config_bytes);
-            write_dir_history(dir, name, &config_digest, &state.activations)?;
+            let mut next = state.activations.clone();
+            next.push(activation.clone());
+            write_dir_history(dir, name, &config_digest, &next)
+                .context("storing the deploy in node.data_dir failed; nothing was swapped")?;
         }
+        state.activations.push(activation.clone());
+        state.keep(&activation.grants, version.clone());
         drop(states);
         self.swap_in(name, version, &activation);
         Ok(())
@@ -893,8 +1110,8 @@ impl Registry {
                 }
             }
             {
-                let _serial = self.serial.lock().await;
                 for name in self.specs.keys() {
+                    let _changing = self.changing(name).await;
                     if let Err(e) = self.sync_one(&pool, name).await {
                         tracing::error!(handler = %name, error = %format!("{e:#}"), "cannot apply the cluster's version; the running version stays");
                     }

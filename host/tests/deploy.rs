@@ -126,6 +126,19 @@ async fn digest_of(port: u16, name: &str) -> String {
         .unwrap()
 }
 
+/// `weir_handler_deploys_refused` from `/metrics`.
+async fn refused(port: u16) -> u64 {
+    let (code, body) = http("GET", port, "/metrics", Some(OPERATOR), vec![]).await;
+    assert_eq!(code, 200, "{body}");
+    let text = body.as_str().unwrap().to_owned();
+    text.lines()
+        .find(|l| l.starts_with("weir_handler_deploys_refused"))
+        .and_then(|l| l.split_whitespace().last())
+        .unwrap_or_else(|| panic!("no weir_handler_deploys_refused in {text}"))
+        .parse()
+        .unwrap()
+}
+
 /// Publish one `ok` message for `tenant` and wait until it is handled.
 async fn handled_once_more(node: &Node, tenant: &str) {
     let stats = node.stats();
@@ -216,20 +229,21 @@ async fn auth_matrix_of_every_route_and_token_kind() {
         ("GET", "/metrics", vec![], [401, 401, 200, 403, 403]),
         ("GET", "/v1/slots", vec![], [401, 401, 200, 403, 403]),
         ("GET", "/v1/handlers", vec![], [401, 401, 200, 200, 200]),
-        ("GET", "/v1/handlers/shop", vec![], [401, 401, 200, 200, 403]),
-        ("GET", "/v1/handlers/ops", vec![], [401, 401, 200, 403, 403]),
+        // A tenant token gets 404 for another tenant's handler, as for none at all.
+        ("GET", "/v1/handlers/shop", vec![], [401, 401, 200, 200, 404]),
+        ("GET", "/v1/handlers/ops", vec![], [401, 401, 200, 404, 404]),
         ("GET", "/v1/handlers/nope", vec![], [401, 401, 404, 404, 404]),
         (
             "PUT",
             "/v1/handlers/shop",
             current_shop.clone(),
-            [401, 401, 200, 200, 403],
+            [401, 401, 200, 200, 404],
         ),
         (
             "PUT",
             "/v1/handlers/ops",
             current_shop.clone(),
-            [401, 401, 200, 403, 403],
+            [401, 401, 200, 404, 404],
         ),
         (
             "PUT",
@@ -237,8 +251,8 @@ async fn auth_matrix_of_every_route_and_token_kind() {
             current_shop.clone(),
             [401, 401, 404, 404, 404],
         ),
-        ("POST", "/v1/handlers/shop/rollback", vec![], [401, 401, 409, 409, 403]),
-        ("POST", "/v1/handlers/ops/rollback", vec![], [401, 401, 409, 403, 403]),
+        ("POST", "/v1/handlers/shop/rollback", vec![], [401, 401, 409, 409, 404]),
+        ("POST", "/v1/handlers/ops/rollback", vec![], [401, 401, 409, 404, 404]),
     ];
     let tokens: [Option<&'static str>; 5] = [
         None,
@@ -368,10 +382,19 @@ async fn the_components_directory_deploys_good_files_and_refuses_bad_ones() {
     }
     let (_, info) = http("GET", port, "/v1/handlers/shop", Some(OPERATOR), vec![]).await;
     assert_eq!(info["current"]["source"], "watch");
-    // A bad file is refused; the running version stays.
+    // A bad file is refused; the running version stays. Wait until the
+    // watcher has refused it (the counter moves), so this fails if it never looked.
+    let refused_before = refused(port).await;
     std::fs::write(watched.path().join("shop.wasm"), b"garbage").unwrap();
     std::fs::write(watched.path().join("nobody.wasm"), &v2).unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let start_t = Instant::now();
+    while refused(port).await <= refused_before {
+        assert!(
+            start_t.elapsed() < Duration::from_secs(20),
+            "the watcher never refused the bad file (weir_handler_deploys_refused did not move)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(digest_of(port, "shop").await, digest(&v2));
     handled_once_more(&node, "acme").await;
     node.shutdown().await.unwrap();
@@ -479,7 +502,7 @@ async fn the_cli_deploys_and_rolls_back_and_says_why_when_refused() {
     a.extend(args(GLOBEX, &[good.to_str().unwrap()]));
     let out = weir(a).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("403"), "{stderr}");
+    assert!(!out.status.success() && stderr.contains("404"), "{stderr}");
 
     let mut a = vec!["rollback".to_owned()];
     a.extend(args(OPERATOR, &[]));
@@ -488,5 +511,45 @@ async fn the_cli_deploys_and_rolls_back_and_says_why_when_refused() {
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("rolled back: `shop`"), "{stdout}");
     assert_eq!(digest_of(port, "shop").await, digest(&faulty()));
+    node.shutdown().await.unwrap();
+}
+
+/// Issue 14 item 11: a deploy whose data-dir write fails is neither stored
+/// nor swapped (the registry and the router keep the old version), says so,
+/// and the same deploy made again once the directory is back goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_data_dir_write_applies_nothing_and_a_redeploy_works() {
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let cfg = config(port, Some(data.path()), None, true);
+    let node = start(&cfg, &mem).await;
+    let (v1, v2) = (digest(&faulty()), variant(&faulty(), "2"));
+    // A file where the history directory should be: writes there fail even as root.
+    let handlers = data.path().join("handlers");
+    let aside = data.path().join("handlers.aside");
+    std::fs::rename(&handlers, &aside).unwrap();
+    std::fs::write(&handlers, b"not a directory").unwrap();
+    let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(ACME), v2.clone()).await;
+    assert_eq!(code, 503, "a failed store is an error: {body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("nothing was swapped"),
+        "{body}"
+    );
+    assert_eq!(digest_of(port, "shop").await, v1, "the registry reports the old version");
+    handled_once_more(&node, "acme").await;
+
+    std::fs::remove_file(&handlers).unwrap();
+    std::fs::rename(&aside, &handlers).unwrap();
+    let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(ACME), v2.clone()).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["swapped"], true, "the redeploy swaps: {body}");
+    assert_eq!(body["previous"], v1, "{body}");
+    assert_eq!(digest_of(port, "shop").await, digest(&v2));
+    handled_once_more(&node, "acme").await;
+    node.shutdown().await.unwrap();
+    // And it was stored: served after a restart.
+    let node = start(&cfg, &mem).await;
+    assert_eq!(digest_of(port, "shop").await, digest(&v2));
     node.shutdown().await.unwrap();
 }

@@ -177,6 +177,9 @@ pub struct Preopen {
     pub guest: String,
     /// Read-only when true.
     pub read_only: bool,
+    /// The directory opened when the version was loaded: each instance is
+    /// given this handle (re-checked against the tenant's allow list), not `host`.
+    pub pinned: Option<Arc<crate::registry::PinnedDir>>,
 }
 
 /// WASI capabilities beyond clocks and random; all denied by default.
@@ -205,8 +208,16 @@ impl WasiGrants {
             } else {
                 wasmtime_wasi::FsPerms::ReadWrite
             };
+            let host = match p.pinned.as_deref().map(crate::registry::PinnedDir::open_path) {
+                None => p.host.clone(),
+                Some(Ok(handle)) => handle,
+                Some(Err(e)) => {
+                    tracing::error!(guest = %p.guest, error = %e, "directory grant refused at instantiation; the guest does not see it");
+                    continue;
+                }
+            };
             // Checked by `Runtime::load`, which opens each directory first.
-            if let Err(e) = b.preopened_dir(&p.host, &p.guest, perms) {
+            if let Err(e) = b.preopened_dir(&host, &p.guest, perms) {
                 tracing::error!(host = %p.host.display(), error = %e, "preopen failed after validation");
             }
         }

@@ -14,6 +14,7 @@ use weir_guest::{Failure, Handler, Message};
 
 mod hostile;
 mod witbatch;
+mod admin_hardening;
 
 /// The faulty handler.
 pub struct Faulty;
@@ -55,6 +56,7 @@ impl Handler for Faulty {
             }
             "env" => Err(Failure::reject(probe_sandbox())),
             k if k.starts_with("hostile.") => hostile::handle(&k["hostile.".len()..], &msg),
+            k if k.starts_with("admin.") => admin_hardening::handle(k, &msg),
             other => Err(Failure::reject(format!("faulty: unknown message type {other:?}"))),
         }
     }
