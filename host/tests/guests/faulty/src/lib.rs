@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use weir_guest::{Failure, Handler, Message};
 
+mod bytes;
+
 /// The faulty handler.
 pub struct Faulty;
 
@@ -47,6 +49,7 @@ impl Handler for Faulty {
                 Err(Failure::reject(format!("config={value:?}")))
             }
             "env" => Err(Failure::reject(probe_sandbox())),
+            k if k.starts_with("bytes.") => bytes::handle(&k["bytes.".len()..], &msg),
             other => Err(Failure::reject(format!("faulty: unknown message type {other:?}"))),
         }
     }
