@@ -347,7 +347,9 @@ mod tests {
         if !finished_alone {
             flush_all.await.unwrap();
         }
-        // A round trip on the channel: the broker answers after it has seen every ack.
+        // The flusher is done sending once the send lock is free; then a
+        // round trip on the channel: the broker answers after every ack.
+        drop(c.sending.lock().await);
         let alive = ch.basic_qos(10, BasicQosOptions::default()).await;
         assert!(
             alive.is_ok() && ch.status().connected(),
