@@ -10,7 +10,7 @@
 //!   [`ErrorKind::Invalid`](super::ErrorKind::Invalid) error naming the
 //!   header and the limit, and nothing is sent;
 //! - [`Limits::fit`] for dead letters, which must always go out: names and
-//!   values are repaired and the longest texts (`weir-error` first) are cut
+//!   values are repaired and the longest texts (`weir-error` or any user header) are cut
 //!   to fit, each cut value keeping its start and ending with a
 //!   [`cut_marker`] that says it was cut and how long it was.
 
@@ -30,6 +30,10 @@ const AMQP_CONTENT_HEADER_OVERHEAD: usize = 22;
 /// `message-id` property is counted; JetStream adds nothing today).
 const SLACK: usize = 256;
 
+/// JetStream refuses a message whose header block is over 64 KiB (error
+/// 10097, "header size exceeds maximum allowed of 64k"), whatever `max_payload` is.
+pub const JETSTREAM_MAX_HEADER: usize = 64 * 1024;
+
 /// A cut value keeps at least this many bytes of its start, when the limit allows.
 const MIN_KEPT: usize = 64;
 
@@ -48,7 +52,8 @@ pub enum Rules {
         frame_max: usize,
     },
     /// NATS: names are printable ASCII without `:`, values have no CR/LF;
-    /// headers and payload together at most `max_payload`.
+    /// headers and payload together at most `max_payload`, and the header
+    /// block at most [`JETSTREAM_MAX_HEADER`].
     Nats {
         /// The server's `max_payload` (from its INFO).
         max_payload: usize,
@@ -93,10 +98,17 @@ impl Limits {
                     .map_or(0, |id| 1 + id.len());
                 AMQP_CONTENT_HEADER_OVERHEAD + 1 + 4 + table + message_id
             }
-            Rules::Nats { .. } => {
-                let block: usize = wire.headers.iter().map(|(k, v)| k.len() + 2 + v.len() + 2).sum();
-                "NATS/1.0\r\n\r\n".len() + block + wire.body.len()
-            }
+            Rules::Nats { .. } => nats_header_block(wire) + wire.body.len(),
+        }
+    }
+
+    /// Bytes over the limits (0: it fits): the larger excess of the total
+    /// and, on NATS, of the header block.
+    fn over(&self, wire: &Wire) -> usize {
+        let total = self.size(wire).saturating_sub(self.budget());
+        match self.rules {
+            Rules::Amqp { .. } => total,
+            Rules::Nats { .. } => total.max(nats_header_block(wire).saturating_sub(JETSTREAM_MAX_HEADER - SLACK)),
         }
     }
 
@@ -147,15 +159,17 @@ impl Limits {
             }
         }
         let (size, budget) = (self.size(wire), self.budget());
-        if size > budget {
+        if self.over(wire) > 0 {
             let largest = wire.headers.iter().max_by_key(|(k, v)| k.len() + v.len());
             let what = match self.rules {
                 Rules::Amqp { frame_max } => {
                     format!("headers take {size} bytes of the AMQP content header; the connection's frame_max {frame_max} leaves {budget}")
                 }
-                Rules::Nats { max_payload } => {
-                    format!("headers and payload take {size} bytes; the server's max_payload {max_payload} leaves {budget}")
-                }
+                Rules::Nats { max_payload } => format!(
+                    "headers take {} bytes, with the payload {size}; JetStream allows {} bytes of headers and the server's max_payload {max_payload} leaves {budget} in all",
+                    nats_header_block(wire),
+                    JETSTREAM_MAX_HEADER - SLACK
+                ),
             };
             let largest = largest.map_or_else(String::new, |(k, v)| {
                 format!(" (largest header: {:?}, {} bytes)", shown(k), k.len() + v.len())
@@ -168,7 +182,7 @@ impl Limits {
     /// Make `wire` fit, changing as little as possible: invalid names are
     /// repaired (characters replaced by `_`, long names cut), CR/LF in NATS
     /// values written as the two characters `\r` / `\n`, and while the total
-    /// is over the budget the longest value (`weir-error` first) is cut with
+    /// is over the budget the longest value (user header or `weir-error`) is cut with
     /// a [`cut_marker`]. Returns what it changed, for the log; empty when
     /// `wire` already fitted. Only a payload that alone is over a NATS
     /// `max_payload` can still not fit afterwards (the broker refuses it).
@@ -185,12 +199,12 @@ impl Limits {
                 notes.push(format!("CR/LF in header {k:?} written as \\r/\\n"));
             }
         }
-        // `weir-error` first, then the others longest first, never the
-        // derived or provenance headers (they are short and must stay whole).
+        // The longest value first (a long `weir-error` is the usual one),
+        // never the derived or provenance headers (short, and must stay whole).
         let protected = |k: &str| header::DERIVED.contains(&k) || (k.starts_with("weir-") && k != header::ERROR);
         let mut done = vec![false; wire.headers.len()];
         loop {
-            let over = self.size(wire).saturating_sub(self.budget());
+            let over = self.over(wire);
             if over == 0 {
                 break;
             }
@@ -199,7 +213,7 @@ impl Limits {
                 .iter()
                 .enumerate()
                 .filter(|(i, (k, v))| !done[*i] && !protected(k) && v.len() > MIN_KEPT)
-                .max_by_key(|(_, (k, v))| (k == header::ERROR, v.len()))
+                .max_by_key(|(_, (_, v))| v.len())
                 .map(|(i, _)| i);
             let Some(i) = victim else {
                 break;
@@ -235,6 +249,12 @@ impl Limits {
                 .collect(),
         }
     }
+}
+
+/// Bytes of the NATS header block of `wire` ("NATS/1.0", each "name: value", CRLFs).
+fn nats_header_block(wire: &Wire) -> usize {
+    let block: usize = wire.headers.iter().map(|(k, v)| k.len() + 2 + v.len() + 2).sum();
+    "NATS/1.0\r\n\r\n".len() + block
 }
 
 /// The largest index `<= at` on a char boundary of `s`.
@@ -287,7 +307,7 @@ mod tests {
     }
 
     #[test]
-    fn fit_cuts_the_error_first_and_keeps_its_start_and_length() {
+    fn fit_cuts_the_longest_and_keeps_its_start_and_length() {
         let l = Limits::amqp(131_072);
         let reason = format!("start of it{}", "x".repeat(1 << 20));
         let mut w = wire(&[
@@ -321,6 +341,12 @@ mod tests {
         l.fit(&mut w);
         assert!(l.check(&w).is_ok(), "{}", l.size(&w));
         assert!(w.header("x-big").unwrap().ends_with(&cut_marker(10_000)));
+        // JetStream's 64 KiB of headers, under a large max_payload.
+        let l = Limits::nats(8 << 20);
+        let mut w = wire(&[("x-big", &"b".repeat(100_000))]);
+        assert!(l.check(&w).unwrap_err().contains("JetStream allows"));
+        l.fit(&mut w);
+        assert!(l.check(&w).is_ok());
         let mut long = wire(&[(&"n".repeat(300), "v")]);
         Limits::amqp(131_072).fit(&mut long);
         assert!(Limits::amqp(131_072).check(&long).is_ok());
