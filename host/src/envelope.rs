@@ -37,6 +37,12 @@ pub mod header {
     /// JetStream dead letters: the server's delivery count when it was captured.
     pub const DELIVERY_COUNT: &str = "weir-delivery-count";
 
+    /// Names the headers whose value arrived as bytes that are not UTF-8
+    /// (an AMQP byte array or long string): a JSON array of names. Their
+    /// values are carried as lowercase hex, so no byte is lost, and a
+    /// broker that can carry bytes (RabbitMQ) writes them back as bytes.
+    pub const BINARY_HEADERS: &str = "weir-binary-headers";
+
     /// Headers derived from the envelope's own fields; written from the
     /// fields, never copied from `headers`, so they cannot disagree.
     pub const DERIVED: [&str; 5] = [MESSAGE_ID, MESSAGE_TYPE, GROUP_ID, TENANT_ID, ATTEMPT];
@@ -83,6 +89,11 @@ pub enum DecodeError {
         /// What would be accepted.
         expected: &'static str,
     },
+    /// Its headers do not fit the broker's rules, so Weir cannot send it
+    /// on (forward it or schedule its retry): the broker's limit and the
+    /// header at fault.
+    #[error("cannot be sent on: {0}")]
+    Unsendable(String),
 }
 
 /// Treat an empty id like an absent one (the contract says they are the same).
@@ -242,6 +253,19 @@ pub fn encode(env: &Envelope) -> Wire {
         headers,
         body: env.payload.clone(),
     }
+}
+
+/// The names a `weir-binary-headers` value lists (none when absent or not a
+/// JSON array of strings).
+pub fn binary_headers(value: Option<&str>) -> Vec<String> {
+    value
+        .and_then(|v| serde_json::from_str::<Vec<String>>(v).ok())
+        .unwrap_or_default()
+}
+
+/// The `weir-binary-headers` value naming `names`.
+pub fn binary_headers_value(names: &[&str]) -> String {
+    serde_json::to_string(names).unwrap_or_else(|_| "[]".to_owned())
 }
 
 /// A fresh envelope for a new message (attempt 1).
@@ -458,6 +482,14 @@ mod tests {
         ) {
             agree(&h, attempt);
         }
+    }
+
+    #[test]
+    fn binary_header_lists_round_trip() {
+        let v = binary_headers_value(&["x-a", "x,\"b"]);
+        assert_eq!(binary_headers(Some(&v)), vec!["x-a".to_owned(), "x,\"b".to_owned()]);
+        assert!(binary_headers(Some("not json")).is_empty());
+        assert!(binary_headers(None).is_empty());
     }
 
     #[test]

@@ -659,6 +659,14 @@ async fn forward_one(p: &Pipeline, topology: &str, slots: u32, d: Delivery) -> b
                     }
                     true
                 }
+                Err(e) if e.kind == crate::transport::ErrorKind::Invalid => {
+                    // It can never be forwarded (its headers do not fit the
+                    // broker's rules): returning it would loop for ever.
+                    let err = envelope::DecodeError::Unsendable(e.detail);
+                    let wire = envelope::encode(&env);
+                    let outcome = crate::lanes::capture_raw(p, topology, wire, &err, &source, tag, acker).await;
+                    !matches!(outcome, Outcome::Requeued)
+                }
                 Err(e) => {
                     tracing::warn!(messaging.system = system, topology, slot, tag, error = %e, "forwarding an ingress message failed; returning it");
                     if let Err(e) = acker.settle(Disposition::Release).await {

@@ -96,6 +96,28 @@ pub enum Captured<'a> {
     Raw(Wire),
 }
 
+/// The longest `weir-error` a dead letter carries, in bytes: a longer error
+/// text keeps its start and ends with a marker saying it was cut and how
+/// long it was ([`crate::transport::limits::cut_marker`]). The broker's
+/// own limits may cut it further.
+pub const ERROR_MAX: usize = 16 * 1024;
+
+/// The longest error text a log line of a capture carries, in bytes.
+const LOGGED_ERROR_MAX: usize = 1024;
+
+/// `text` cut to at most `max` bytes plus the marker (whole when it fits).
+pub fn cut_text(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut at = max;
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    let marker = crate::transport::limits::cut_marker(text.len());
+    std::borrow::Cow::Owned(format!("{}{marker}", &text[..at]))
+}
+
 /// Build the dead-letter form: all original headers plus provenance.
 pub fn dead_letter_wire(message: Captured<'_>, p: &Provenance<'_>) -> Wire {
     let mut wire = match message {
@@ -103,7 +125,7 @@ pub fn dead_letter_wire(message: Captured<'_>, p: &Provenance<'_>) -> Wire {
         Captured::Raw(w) => w,
     };
     wire.set_header(header::DEAD_LETTER_REASON, p.reason.as_str());
-    wire.set_header(header::ERROR, p.error);
+    wire.set_header(header::ERROR, cut_text(p.error, ERROR_MAX));
     wire.set_header(header::SOURCE, p.source);
     if let Some((name, digest)) = p.handler {
         wire.set_header(header::HANDLER, name);
@@ -138,7 +160,7 @@ pub async fn capture(
                     source = p.source,
                     tag = p.tag,
                     reason = p.reason.as_str(),
-                    error = p.error,
+                    error = %cut_text(p.error, LOGGED_ERROR_MAX),
                     "dead-lettered"
                 );
                 Outcome::DeadLettered(p.reason)

@@ -3,6 +3,7 @@
 //! [`Disposition`], which each broker turns into acks in one function
 //! ([`Acker::settle`]). Everything above this module is broker-neutral.
 
+pub mod limits;
 pub mod memory;
 pub mod nats;
 pub mod rabbitmq;

@@ -69,6 +69,7 @@
 //! may still reorder, as any redelivery may).
 
 use std::borrow::Cow;
+use std::str::FromStr as _;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -83,6 +84,7 @@ use bytes::Bytes;
 use futures::{FutureExt as _, StreamExt as _};
 use parking_lot::Mutex;
 
+use super::limits::Limits;
 use super::{
     Acker, Delivery, Disposition, ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport,
     TransportError,
@@ -220,13 +222,18 @@ fn js_code(e: &async_nats::jetstream::Error) -> ErrorCode {
     e.error_code()
 }
 
-/// The NATS headers of a [`Wire`].
-fn headers_of(wire: &Wire) -> HeaderMap {
+/// The NATS headers of a [`Wire`]; an error (nothing appended that
+/// async-nats would panic on) for a name or value NATS cannot carry.
+/// Callers check or fit the wire first ([`super::limits`]), so this is the
+/// last guard.
+fn headers_of(wire: &Wire) -> Result<HeaderMap, String> {
     let mut h = HeaderMap::new();
     for (k, v) in &wire.headers {
-        h.append(k.as_str(), v.as_str());
+        let name = async_nats::HeaderName::from_str(k).map_err(|e| format!("header name {k:?}: {e}"))?;
+        let value = async_nats::HeaderValue::from_str(v).map_err(|e| format!("header {k:?}: {e}"))?;
+        h.append(name, value);
     }
-    h
+    Ok(h)
 }
 
 /// The [`Wire`] form of a received message: every header value (in order),
@@ -658,10 +665,22 @@ impl Nats {
         }))
     }
 
-    /// Publish and wait for the stream's `PubAck`.
-    async fn publish_to(&self, subject: String, wire: Wire, target: &str) -> Result<(), TransportError> {
+    /// Publish and wait for the stream's `PubAck`. Nothing goes out unless
+    /// it fits NATS's header rules and the server's `max_payload`
+    /// ([`limits`]): with `fit` (dead letters) what does not is repaired and
+    /// cut with a marker, otherwise it is an [`ErrorKind::Invalid`] error
+    /// naming the header.
+    async fn publish_to(&self, subject: String, mut wire: Wire, target: &str, fit: bool) -> Result<(), TransportError> {
         let conn = self.conn().await?;
-        let headers = headers_of(&wire);
+        let limits = Limits::nats(conn.client.max_payload());
+        if fit {
+            for note in limits.fit(&mut wire) {
+                tracing::warn!(messaging.system = SYSTEM, target, change = note, "a dead letter did not fit the server's header rules; written with a marker");
+            }
+        }
+        let invalid = |e: String| TransportError::new(ErrorKind::Invalid, format!("not published to {target}: {e}"));
+        limits.check(&wire).map_err(invalid)?;
+        let headers = headers_of(&wire).map_err(invalid)?;
         let pending = conn
             .js
             .publish_with_headers(subject, headers, Bytes::from(wire.body))
@@ -770,7 +789,7 @@ impl Transport for Nats {
         }
         let subject = names::slot_subject(topology, slot);
         let target = format!("subject {subject} (stream {})", names::stream(topology));
-        self.publish_to(subject, wire, &target).await
+        self.publish_to(subject, wire, &target, false).await
     }
 
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
@@ -779,7 +798,7 @@ impl Transport for Nats {
             "dead-letter subject {subject} (stream {})",
             names::dead_letter_stream(topology)
         );
-        self.publish_to(subject, wire, &target).await
+        self.publish_to(subject, wire, &target, true).await
     }
 
     async fn retry_facts(&self, topology: &str) -> Result<Option<RetryFacts>, TransportError> {
@@ -1483,7 +1502,7 @@ mod tests {
             ],
             body: b"x".to_vec(),
         };
-        let h = headers_of(&wire);
+        let h = headers_of(&wire).unwrap();
         let back = wire_of(Some(&h), Bytes::from_static(b"x"));
         assert_eq!(back.header(header::MESSAGE_ID), Some("m-1"));
         assert_eq!(back.header(header::MESSAGE_TYPE), Some("ok"));

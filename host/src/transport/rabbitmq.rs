@@ -25,6 +25,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -38,6 +39,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 use parking_lot::Mutex;
 
+use super::limits::Limits;
 use super::{
     Acker, Delivery, Disposition, ErrorKind, RetryOwner, Subscription, TopologySpec, Transport, TransportError,
 };
@@ -120,6 +122,29 @@ struct Inner {
     name: String,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     topologies: Mutex<HashMap<String, TopologySpec>>,
+    /// Deferred deliveries (failed captures) since the last confirmed dead
+    /// letter: the backoff before the next is returned grows with it.
+    defers: AtomicU32,
+    /// Deliveries (queue, message id) whose retry could not be published
+    /// because it does not fit the broker's header rules, with why: the
+    /// next delivery of each is handed up undecodable, so it is
+    /// dead-lettered instead of returned for ever.
+    unsendable: Mutex<HashMap<(Arc<str>, String), String>>,
+}
+
+/// The first backoff before a delivery whose capture failed is returned.
+pub const DEFER_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// The longest such backoff.
+pub const DEFER_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+impl Inner {
+    /// The backoff for one more deferred delivery: doubles from
+    /// [`DEFER_BACKOFF_MIN`] with each failed capture in a row, up to
+    /// [`DEFER_BACKOFF_MAX`].
+    fn defer_delay(&self) -> Duration {
+        let n = self.defers.fetch_add(1, AtomicOrdering::Relaxed).min(16);
+        DEFER_BACKOFF_MIN.saturating_mul(1 << n).min(DEFER_BACKOFF_MAX)
+    }
 }
 
 /// The RabbitMQ transport. Cheap to clone; clones share the connection.
@@ -162,25 +187,52 @@ fn is_precondition_failed(e: &lapin::Error) -> bool {
 }
 
 /// Turn a [`Wire`] into AMQP properties: persistent, every header a long
-/// string, the message id also as the AMQP `message-id`.
-fn properties(wire: &Wire) -> BasicProperties {
+/// string, the message id also as the AMQP `message-id` (when it fits a
+/// short string). Headers named in `weir-binary-headers` go out as the byte
+/// arrays they arrived as (their hex decoded), and that list itself is not
+/// written: it only stands for the AMQP field types in Weir's text headers.
+/// An error (nothing sent) for a header name over 255 bytes; callers check
+/// or fit the wire first ([`super::limits`]), so this is the last guard.
+fn properties(wire: &Wire) -> Result<BasicProperties, String> {
+    let binary = envelope::binary_headers(wire.header(header::BINARY_HEADERS));
     let mut table = FieldTable::default();
     for (k, v) in &wire.headers {
-        table.insert(ShortString::from(k.as_str()), AMQPValue::LongString(v.as_str().into()));
+        if k == header::BINARY_HEADERS {
+            continue;
+        }
+        let name = ShortString::try_new(k.as_str())
+            .map_err(|e| format!("header name of {} bytes: {e}", k.len()))?;
+        let value = match binary.contains(k) {
+            true => hex::decode(v).map_or_else(
+                |_| AMQPValue::LongString(v.as_str().into()),
+                |b| AMQPValue::ByteArray(b.into()),
+            ),
+            false => AMQPValue::LongString(v.as_str().into()),
+        };
+        table.insert(name, value);
     }
     let mut props = BasicProperties::default().with_delivery_mode(2).with_headers(table);
-    if let Some(id) = wire.header(header::MESSAGE_ID) {
-        props = props.with_message_id(ShortString::from(id));
+    if let Some(id) = wire.header(header::MESSAGE_ID)
+        && let Ok(id) = ShortString::try_new(id)
+    {
+        props = props.with_message_id(id);
     }
-    props
+    Ok(props)
 }
 
 /// A header value as text; `None` for values that are not scalars (arrays and
 /// tables such as RabbitMQ's own `x-death`), which Weir does not carry.
 /// Borrowed where it already is text, so decoding copies only what it keeps.
-fn value_text(v: &AMQPValue) -> Option<Cow<'_, str>> {
-    Some(match v {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()),
+/// Byte arrays (what pika sends for Python `bytes`) and long strings are
+/// text when they are UTF-8; bytes that are not are `Err` (the caller
+/// writes them as hex and names them in `weir-binary-headers`).
+fn value_text(v: &AMQPValue) -> Option<Result<Cow<'_, str>, &[u8]>> {
+    fn bytes(b: &[u8]) -> Result<Cow<'_, str>, &[u8]> {
+        std::str::from_utf8(b).map(Cow::Borrowed).map_err(|_| b)
+    }
+    Some(Ok(match v {
+        AMQPValue::LongString(s) => return Some(bytes(s.as_bytes())),
+        AMQPValue::ByteArray(b) => return Some(bytes(b.as_slice())),
         AMQPValue::ShortString(s) => Cow::Borrowed(s.as_str()),
         AMQPValue::Boolean(b) => Cow::Owned(b.to_string()),
         AMQPValue::ShortShortInt(n) => Cow::Owned(n.to_string()),
@@ -194,22 +246,41 @@ fn value_text(v: &AMQPValue) -> Option<Cow<'_, str>> {
         AMQPValue::Float(n) => Cow::Owned(n.to_string()),
         AMQPValue::Double(n) => Cow::Owned(n.to_string()),
         _ => return None,
-    })
+    }))
 }
 
-/// Every scalar header of `props` as text, in the table's order.
-fn header_pairs(props: &BasicProperties) -> impl Iterator<Item = (&str, Cow<'_, str>)> {
-    props
+/// Every scalar header of `props` as text, in the table's order. Values
+/// that are not UTF-8 come as hex, followed by one `weir-binary-headers`
+/// naming them (any such header the publisher sent is replaced).
+fn header_pairs(props: &BasicProperties) -> Vec<(&str, Cow<'_, str>)> {
+    let mut binary = Vec::new();
+    let mut pairs: Vec<(&str, Cow<'_, str>)> = props
         .headers()
         .as_ref()
         .into_iter()
         .flat_map(|t| t.inner().iter())
-        .filter_map(|(k, v)| value_text(v).map(|v| (k.as_str(), v)))
+        .filter(|(k, _)| k.as_str() != header::BINARY_HEADERS)
+        .filter_map(|(k, v)| {
+            let text = match value_text(v)? {
+                Ok(text) => text,
+                Err(raw) => {
+                    binary.push(k.as_str());
+                    Cow::Owned(hex::encode(raw))
+                }
+            };
+            Some((k.as_str(), text))
+        })
+        .collect();
+    if !binary.is_empty() {
+        pairs.push((header::BINARY_HEADERS, Cow::Owned(envelope::binary_headers_value(&binary))));
+    }
+    pairs
 }
 
 /// The [`Wire`] form of a received message.
 fn wire_of(props: &BasicProperties, body: Vec<u8>) -> Wire {
     let headers = header_pairs(props)
+        .into_iter()
         .map(|(k, v)| (k.to_owned(), v.into_owned()))
         .collect();
     Wire { headers, body }
@@ -227,6 +298,8 @@ impl RabbitMq {
                 name: name.into(),
                 conn: tokio::sync::Mutex::new(None),
                 topologies: Mutex::new(HashMap::new()),
+                defers: AtomicU32::new(0),
+                unsendable: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -282,14 +355,32 @@ impl RabbitMq {
 
     /// Publish with `mandatory` and wait for the confirm: an unroutable
     /// message or a nack is an error.
+    ///
+    /// Nothing goes on the wire unless it fits the connection's header
+    /// rules ([`limits`]): `fit` (dead letters) repairs and cuts what does
+    /// not, otherwise it is an [`ErrorKind::Invalid`] error naming the header.
     async fn confirmed(
         &self,
         exchange: &str,
         routing_key: &str,
         wire: &Wire,
         target: &str,
+        fit: bool,
     ) -> Result<(), TransportError> {
         let conn = self.conn().await?;
+        let limits = Limits::amqp(usize::try_from(conn.connection.configuration().frame_max()).unwrap_or(usize::MAX));
+        let mut fitted;
+        let mut wire = wire;
+        if fit {
+            fitted = wire.clone();
+            for note in limits.fit(&mut fitted) {
+                tracing::warn!(messaging.system = SYSTEM, target, change = note, "a dead letter did not fit the broker's header rules; written with a marker");
+            }
+            wire = &fitted;
+        }
+        let invalid = |e: String| TransportError::new(ErrorKind::Invalid, format!("not published to {target}: {e}"));
+        limits.check(wire).map_err(invalid)?;
+        let props = properties(wire).map_err(invalid)?;
         let confirm = conn
             .publisher
             .basic_publish(
@@ -300,7 +391,7 @@ impl RabbitMq {
                     ..BasicPublishOptions::default()
                 },
                 &wire.body,
-                properties(wire),
+                props,
             )
             .await
             .map_err(|e| lapin_err(format!("publishing to {target}"), &e))?
@@ -349,7 +440,7 @@ impl RabbitMq {
         }
         let rung = names::rung(topology, delay);
         let target = format!("retry rung {rung} (slot {slot})");
-        self.confirmed(&rung, &slot.to_string(), wire, &target).await
+        self.confirmed(&rung, &slot.to_string(), wire, &target, false).await
     }
 
     async fn publish_slot(&self, topology: &str, slot: u32, wire: &Wire) -> Result<(), TransportError> {
@@ -366,7 +457,7 @@ impl RabbitMq {
         }
         let exchange = names::exchange(topology);
         let target = format!("exchange {exchange} key {slot}");
-        self.confirmed(&exchange, &slot.to_string(), wire, &target).await
+        self.confirmed(&exchange, &slot.to_string(), wire, &target, false).await
     }
 
     async fn subscribe_queue(
@@ -610,8 +701,10 @@ impl Transport for RabbitMq {
 
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
         let queue = names::dead_letter(topology);
-        self.confirmed("", &queue, &wire, &format!("dead-letter queue {queue}"))
-            .await
+        self.confirmed("", &queue, &wire, &format!("dead-letter queue {queue}"), true)
+            .await?;
+        self.inner.defers.store(0, AtomicOrdering::Relaxed);
+        Ok(())
     }
 
     async fn backlog(&self, topology: &str, slot: u32) -> Result<Option<u64>, TransportError> {
@@ -696,6 +789,16 @@ impl RabbitSubscription {
                 Ok(env)
             }
             None => envelope::decode(wire_of(&properties, data), fallback, None),
+        };
+        let message = match message {
+            Ok(env) if !self.transport.inner.unsendable.lock().is_empty() => {
+                let why = self.transport.inner.unsendable.lock().remove(&(self.queue.clone(), env.id.clone()));
+                match why {
+                    Some(why) => Err((envelope::encode(&env), envelope::DecodeError::Unsendable(why))),
+                    None => Ok(env),
+                }
+            }
+            other => other,
         };
         self.acks.received(delivery_tag);
         Delivery {
@@ -785,6 +888,23 @@ impl Acker for RabbitAcker {
         if matches!(disposition, Disposition::Ack) && self.acks.finished(self.tag) {
             return Ok(());
         }
+        if matches!(disposition, Disposition::Defer) {
+            // A dead-letter capture failed: return the message only after a
+            // backoff that grows while captures keep failing, so a
+            // dead-letter outage does not turn into a hot loop of
+            // redeliveries. Held meanwhile (it stays in the book: no
+            // `multiple` ack passes over it); the lane goes on.
+            let delay = self.transport.inner.defer_delay();
+            tracing::debug!(messaging.system = SYSTEM, topology = %self.topology, tag = self.tag, ?delay, "returning a message whose capture failed after a backoff");
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                if let Err(e) = self.release().await {
+                    tracing::warn!(messaging.system = SYSTEM, topology = %self.topology, tag = self.tag, error = %e, "returning a message after a failed capture failed; the broker redelivers it");
+                }
+                self.acks.settled(self.tag);
+            });
+            return Ok(());
+        }
         let result = self.settle_now(disposition).await;
         // Only now, with its frame handed to the channel, may a coalesced
         // `multiple` ack pass over this delivery.
@@ -812,6 +932,14 @@ impl RabbitAcker {
                 };
                 let wire = envelope::encode(&envelope);
                 if let Err(e) = self.transport.publish_retry(&self.topology, slot, &wire, delay).await {
+                    if e.kind == ErrorKind::Invalid {
+                        // It will never fit: dead-letter it at its next delivery.
+                        self.transport
+                            .inner
+                            .unsendable
+                            .lock()
+                            .insert((self.queue.clone(), envelope.id.clone()), e.detail.clone());
+                    }
                     // Not scheduled: return the original so it is not held
                     // until the channel closes. It comes back at once, with
                     // its attempt unchanged.
@@ -867,7 +995,7 @@ mod tests {
             ],
             body: b"x".to_vec(),
         };
-        let props = properties(&wire);
+        let props = properties(&wire).unwrap();
         assert_eq!(props.delivery_mode(), &Some(2));
         assert_eq!(props.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
         let back = wire_of(&props, wire.body.clone());

@@ -206,6 +206,7 @@ pub fn config(
     ladder: &[Duration],
     max_deliver: i64,
     node_name: &str,
+    extra_types: &[&str],
 ) -> Config {
     let mut t = config::Topology::new(name, slots);
     t.max_concurrent_groups = 16;
@@ -215,7 +216,8 @@ pub fn config(
         max_deliver: Some(max_deliver),
         ..Default::default()
     });
-    let types = ["slow", "ok", "reject", "retry", "publish"].map(String::from).to_vec();
+    let mut types = ["slow", "ok", "reject", "retry", "publish"].map(String::from).to_vec();
+    types.extend(extra_types.iter().map(|t| (*t).to_owned()));
     let h = config::Handler::new("faulty", bundled::FAULTY_PATH, name, types);
     Config {
         node: config::Node {
@@ -246,8 +248,21 @@ impl<G> Harness<G> {
         max_deliver: i64,
         guard: G,
     ) -> Self {
+        Self::start_typed(subject, name, slots, ladder, max_deliver, guard, &[]).await
+    }
+
+    /// [`Harness::start`] with more message types bound to the faulty guest.
+    pub async fn start_typed(
+        subject: Subject,
+        name: &str,
+        slots: u32,
+        ladder: &[Duration],
+        max_deliver: i64,
+        guard: G,
+        extra_types: &[&str],
+    ) -> Self {
         let node_name = format!("node-{name}");
-        let cfg = config(&subject, name, slots, ladder, max_deliver, &node_name);
+        let cfg = config(&subject, name, slots, ladder, max_deliver, &node_name, extra_types);
         let seen = Arc::new(Mutex::new(Vec::new()));
         let subscriptions = Arc::new(AtomicU32::new(0));
         let transport = Arc::new(Recording {

@@ -11,6 +11,12 @@
 //! later `multiple` ack, which lapin sends after it on the same channel,
 //! can never reach it first.
 //!
+//! One flush at a time: the flusher holds the send lock from taking a flush
+//! out of the book until its last frame is handed to the channel, and
+//! [`Coalescer::flush_all`] takes the same lock, so its `multiple` ack
+//! cannot overtake a straggler's single ack still being sent (which the
+//! broker would then refuse as an unknown delivery tag, closing the channel).
+//!
 //! [`AckBook`] is the pure bookkeeping; [`Coalescer`] puts it on the wire
 //! with a flusher task per channel.
 
@@ -125,6 +131,11 @@ pub struct Coalescer {
     wake: Notify,
     closed: AtomicBool,
     queue: Arc<str>,
+    /// Held from taking a flush out of the book until it is on the wire.
+    sending: tokio::sync::Mutex<()>,
+    /// Tests: where the flusher waits between two single acks.
+    #[cfg(test)]
+    hook: Option<Arc<tests::Gate>>,
 }
 
 impl Coalescer {
@@ -137,6 +148,9 @@ impl Coalescer {
             wake: Notify::new(),
             closed: AtomicBool::new(false),
             queue,
+            sending: tokio::sync::Mutex::new(()),
+            #[cfg(test)]
+            hook: None,
         });
         tokio::spawn(flusher(c.clone()));
         c
@@ -182,6 +196,8 @@ impl Coalescer {
     /// closes, after the drain.
     pub async fn flush_all(&self) {
         self.close();
+        // After a flush the flusher may still be sending.
+        let _sending = self.sending.lock().await;
         let flush = self.book.lock().take(Instant::now(), Duration::ZERO);
         self.send(flush).await;
     }
@@ -199,6 +215,10 @@ impl Coalescer {
             first_error.get_or_insert(format!("multiple ack up to {tag}: {e}"));
         }
         for tag in flush.single {
+            #[cfg(test)]
+            if let Some(gate) = &self.hook {
+                gate.pass().await;
+            }
             if let Err(e) = self.channel.basic_ack(tag, BasicAckOptions::default()).await {
                 lost += 1;
                 first_error.get_or_insert(format!("ack of {tag}: {e}"));
@@ -236,17 +256,107 @@ async fn flusher(c: Arc<Coalescer>) {
             return;
         }
         // A wake-up is for the batch; the tick also clears stragglers.
+        let sending = c.sending.lock().await;
+        if c.closed.load(Ordering::Acquire) {
+            return;
+        }
         let flush = c
             .book
             .lock()
             .take(Instant::now(), if woken { Duration::MAX } else { STRAGGLER_AGE });
         c.send(flush).await;
+        drop(sending);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Holds the flusher before its second single ack until opened.
+    #[derive(Default)]
+    pub struct Gate {
+        passes: std::sync::atomic::AtomicUsize,
+        reached: Notify,
+        open: Notify,
+    }
+
+    impl Gate {
+        pub async fn pass(&self) {
+            if self.passes.fetch_add(1, Ordering::SeqCst) == 1 {
+                self.reached.notify_one();
+                self.open.notified().await;
+            }
+        }
+    }
+
+    /// Issue 14 item 7, against the real broker: the flusher has taken two
+    /// stragglers (2, 3) and sent the ack of 2 when the subscription closes.
+    /// `flush_all`'s `multiple` ack of 4 must not go out before the ack of 3
+    /// (the broker would refuse 3 as an unknown tag and close the channel).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn flush_all_waits_for_a_flusher_sending_stragglers() {
+        use futures::StreamExt as _;
+        use lapin::options::{BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions};
+        use lapin::types::FieldTable;
+        let url = std::env::var("WEIR_TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await.unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..QueueDeclareOptions::default() };
+        let q = ch.queue_declare("".into(), opts, FieldTable::default()).await.unwrap();
+        let queue = q.name().as_str().to_owned();
+        for _ in 0..4 {
+            ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), b"x", Default::default())
+                .await
+                .unwrap();
+        }
+        ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+        let mut consumer = ch
+            .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .unwrap();
+        let gate = Arc::new(Gate::default());
+        let c = Arc::new(Coalescer {
+            book: Mutex::new(AckBook::default()),
+            channel: ch.clone(),
+            wake: Notify::new(),
+            closed: AtomicBool::new(false),
+            queue: Arc::from(queue.as_str()),
+            sending: tokio::sync::Mutex::new(()),
+            hook: Some(gate.clone()),
+        });
+        tokio::spawn(flusher(c.clone()));
+        let mut tags = Vec::new();
+        for _ in 0..4 {
+            let d = consumer.next().await.unwrap().unwrap();
+            c.received(d.delivery_tag);
+            tags.push(d.delivery_tag);
+        }
+        // 1 still runs: 2 and 3 are stragglers, acked singly by the flusher.
+        assert!(c.finished(tags[1]) && c.finished(tags[2]));
+        gate.reached.notified().await;
+        // The flusher has acked 2 and waits before 3. Now 1 and 4 finish
+        // and the subscription closes.
+        assert!(c.finished(tags[0]) && c.finished(tags[3]));
+        let closing = c.clone();
+        let mut flush_all = tokio::spawn(async move { closing.flush_all().await });
+        // Without the send lock, `flush_all` finishes on its own here
+        // (having sent `multiple` 4); with it, it waits for the gate.
+        let finished_alone = tokio::time::timeout(Duration::from_millis(500), &mut flush_all).await.is_ok();
+        gate.open.notify_one();
+        if !finished_alone {
+            flush_all.await.unwrap();
+        }
+        // The flusher is done sending once the send lock is free; then a
+        // round trip on the channel: the broker answers after every ack.
+        drop(c.sending.lock().await);
+        let alive = ch.basic_qos(10, BasicQosOptions::default()).await;
+        assert!(
+            alive.is_ok() && ch.status().connected(),
+            "the channel survived the close: {alive:?} (flush_all finished before the straggler: {finished_alone})"
+        );
+        let _ = conn.close(200, "done".into()).await;
+    }
 
     #[test]
     fn multiple_ack_never_covers_an_unsettled_delivery() {

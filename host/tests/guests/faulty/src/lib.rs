@@ -15,6 +15,7 @@ use weir_guest::{Failure, Handler, Message};
 mod hostile;
 mod witbatch;
 mod admin_hardening;
+mod bytes;
 
 /// The faulty handler.
 pub struct Faulty;
@@ -57,6 +58,7 @@ impl Handler for Faulty {
             "env" => Err(Failure::reject(probe_sandbox())),
             k if k.starts_with("hostile.") => hostile::handle(&k["hostile.".len()..], &msg),
             k if k.starts_with("admin.") => admin_hardening::handle(k, &msg),
+            k if k.starts_with("bytes.") => bytes::handle(&k["bytes.".len()..], &msg),
             other => Err(Failure::reject(format!("faulty: unknown message type {other:?}"))),
         }
     }
