@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use weir_guest::{Failure, Handler, Message};
 
+mod soak;
+
 /// The faulty handler.
 pub struct Faulty;
 
@@ -47,6 +49,7 @@ impl Handler for Faulty {
                 Err(Failure::reject(format!("config={value:?}")))
             }
             "env" => Err(Failure::reject(probe_sandbox())),
+            s if s.starts_with("soak.") => soak::handle(&msg),
             other => Err(Failure::reject(format!("faulty: unknown message type {other:?}"))),
         }
     }
