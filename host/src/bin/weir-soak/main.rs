@@ -66,7 +66,7 @@ struct Args {
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
     /// Groups the messages are spread over (tenant `t0`/`t1` by group).
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 16)]
     groups: u32,
     /// Slots of the topology.
     #[arg(long, default_value_t = 6)]
@@ -78,10 +78,10 @@ struct Args {
     #[arg(long, default_value = "1..20", value_parser = parse_range)]
     short_ms: (u64, u64),
     /// Shortest and longest long call, ms (`MIN..MAX`).
-    #[arg(long, default_value = "300..2000", value_parser = parse_range)]
+    #[arg(long, default_value = "500..4000", value_parser = parse_range)]
     long_ms: (u64, u64),
     /// Share of long calls (0..1).
-    #[arg(long, default_value_t = 0.03)]
+    #[arg(long, default_value_t = 0.02)]
     long_share: f64,
     /// Nodes at the start.
     #[arg(long, default_value_t = 3)]
@@ -90,7 +90,7 @@ struct Args {
     #[arg(long, default_value_t = 32)]
     prefetch: u32,
     /// `topology.retry.max_deliver` (the ladder is `["1s"]`).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 5)]
     max_deliver: i64,
     /// The faults to draw from (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -768,7 +768,7 @@ async fn soak(
     ));
     let progress = {
         let (ledger, slots, status) = (ledger.clone(), slots.clone(), status.clone());
-        let (t0, period, total, mut stop) = (Instant::now(), args.progress, args.slots, stop_rx.clone());
+        let (t0, period, total, mut stop) = (events.t0, args.progress, args.slots, stop_rx.clone());
         tokio::spawn(async move {
             loop {
                 tokio::select! {

@@ -115,6 +115,7 @@ impl Node {
             .args(["run", "--config"])
             .arg(&config)
             .env("RUST_LOG", "warn,weir=info")
+            .env("NO_COLOR", "1")
             .envs(t.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(out)
