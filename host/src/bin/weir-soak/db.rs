@@ -56,6 +56,8 @@ pub struct Slots {
     stuck_now: HashMap<u32, bool>,
     /// Slots with a live owner at the last read.
     pub owned: usize,
+    /// Each live owner's node name at the last read (slot → name), so faults can aim at it.
+    pub owners: HashMap<u32, String>,
     /// Slots in `releasing` at the last read, and the longest such stretch.
     releasing_since: HashMap<u32, Instant>,
     /// Longest `releasing` stretch.
@@ -81,6 +83,7 @@ impl Slots {
 
     fn observe(&mut self, now: Instant, slots: u32, rows: &HashMap<u32, (bool, bool)>, threshold: Duration) {
         self.owned = rows.values().filter(|(owned, _)| *owned).count();
+        self.owners.retain(|slot, _| rows.get(slot).is_some_and(|(owned, _)| *owned));
         for slot in 0..slots {
             let (owned, releasing) = rows.get(&slot).copied().unwrap_or((false, false));
             if releasing {
@@ -132,7 +135,7 @@ pub async fn watch(
         if let Some(c) = conn.as_mut() {
             // Live owner: a slot held (assigned or releasing) by a node whose lease has not expired.
             let read = sqlx::query(
-                "SELECT s.slot, (s.owner IS NOT NULL AND s.state <> 'free' AND n.node_id IS NOT NULL), s.state = 'releasing' \
+                "SELECT s.slot, (s.owner IS NOT NULL AND s.state <> 'free' AND n.node_id IS NOT NULL), s.state = 'releasing', n.name \
                  FROM weir_slots s LEFT JOIN weir_nodes n ON n.node_id = s.owner AND n.lease_until > now() \
                  WHERE s.topology = $1",
             )
@@ -140,16 +143,27 @@ pub async fn watch(
             .fetch_all(&mut *c);
             match tokio::time::timeout(Duration::from_secs(2), read).await {
                 Ok(Ok(rows)) => {
+                    let mut names = HashMap::new();
                     let map: HashMap<u32, (bool, bool)> = rows
                         .iter()
                         .filter_map(|r| {
                             let slot: i32 = r.try_get(0).ok()?;
+                            let slot = u32::try_from(slot).ok()?;
                             let owned: bool = r.try_get(1).ok()?;
                             let releasing: bool = r.try_get(2).ok()?;
-                            Some((u32::try_from(slot).ok()?, (owned, releasing)))
+                            if let Ok(Some(name)) = r.try_get::<Option<String>, _>(3) {
+                                names.insert(slot, name);
+                            }
+                            Some((slot, (owned, releasing)))
                         })
                         .collect();
-                    out.lock().observe(Instant::now(), slots, &map, threshold);
+                    let mut o = out.lock();
+                    o.observe(Instant::now(), slots, &map, threshold);
+                    for (slot, name) in names {
+                        if map.get(&slot).is_some_and(|(owned, _)| *owned) {
+                            o.owners.insert(slot, name);
+                        }
+                    }
                 }
                 Ok(Err(_)) | Err(_) => {
                     out.lock().read_errors += 1;

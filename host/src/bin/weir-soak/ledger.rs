@@ -67,6 +67,8 @@ pub struct Published {
     pub group: String,
     /// Call duration asked for.
     pub ms: u64,
+    /// Its slot.
+    pub slot: u32,
 }
 
 /// A dead letter of a soak message.
@@ -141,6 +143,16 @@ impl Ledger {
     /// Published and not handled yet.
     pub fn outstanding(&self) -> usize {
         self.published.keys().filter(|id| !self.handled.contains(*id)).count()
+    }
+
+    /// Slots of calls of at least `min_ms` published and not handled yet
+    /// (running or queued: a fault aimed at their owner lands mid-call).
+    pub fn long_outstanding(&self, min_ms: u64) -> Vec<u32> {
+        self.published
+            .iter()
+            .filter(|(id, p)| p.ms >= min_ms && !self.handled.contains(*id))
+            .map(|(_, p)| p.slot)
+            .collect()
     }
 
     /// The figures, given the dead letters read at the end.
@@ -320,6 +332,7 @@ mod tests {
                 Published {
                     group: "g".into(),
                     ms: 1,
+                    slot: 0,
                 },
             );
         }

@@ -293,6 +293,9 @@ struct Chaos {
     slots: Arc<Mutex<db::Slots>>,
     status: Arc<Mutex<Status>>,
     events: Arc<Events>,
+    ledger: Arc<Mutex<Ledger>>,
+    /// Calls at least this long are "long": faults prefer their owners.
+    long_min: u64,
 }
 
 impl Chaos {
@@ -350,7 +353,24 @@ impl Chaos {
         }
     }
 
+    /// The node a fault acts on: three times in four the owner of a slot
+    /// with a long call running or queued (so the fault lands mid-call with
+    /// messages behind it), else any node.
     fn pick_node(&mut self) -> usize {
+        if self.rng.random_bool(0.75) {
+            let long = self.ledger.lock().long_outstanding(self.long_min);
+            let owners = self.slots.lock().owners.clone();
+            let targets: Vec<usize> = self
+                .nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| long.iter().any(|s| owners.get(s) == Some(&n.name)))
+                .map(|(i, _)| i)
+                .collect();
+            if !targets.is_empty() {
+                return targets[self.rng.random_range(0..targets.len())];
+            }
+        }
         self.rng.random_range(0..self.nodes.len())
     }
 
@@ -515,7 +535,7 @@ async fn publish_loop(
         }
         let mut l = ledger.lock();
         if confirmed {
-            l.published.insert(id, Published { group, ms });
+            l.published.insert(id, Published { group, ms, slot });
         } else {
             l.unconfirmed.insert(id);
         }
@@ -711,6 +731,8 @@ async fn soak(
         slots: slots.clone(),
         status: status.clone(),
         events: events.clone(),
+        ledger: ledger.clone(),
+        long_min: args.long_ms.0,
     };
     for _ in 0..args.nodes {
         chaos.start_node().await?;
