@@ -69,6 +69,9 @@ pub struct Published {
     pub ms: u64,
     /// Its slot.
     pub slot: u32,
+    /// Faults that may legitimately spend one of its deliveries (kill -9,
+    /// broker cut, fence) while it was outstanding.
+    pub exposure: u32,
 }
 
 /// A dead letter of a soak message.
@@ -153,6 +156,24 @@ impl Ledger {
             .filter(|(id, p)| p.ms >= min_ms && !self.handled.contains(*id))
             .map(|(_, p)| p.slot)
             .collect()
+    }
+
+    /// The highest exposure of a message still outstanding.
+    pub fn max_exposure(&self) -> u32 {
+        self.published
+            .iter()
+            .filter(|(id, _)| !self.handled.contains(*id))
+            .map(|(_, p)| p.exposure)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// A fault that may spend a delivery of every outstanding message happened.
+    pub fn expose_outstanding(&mut self) {
+        let handled = &self.handled;
+        for (_, p) in self.published.iter_mut().filter(|(id, _)| !handled.contains(*id)) {
+            p.exposure += 1;
+        }
     }
 
     /// The figures, given the dead letters read at the end.
@@ -333,6 +354,7 @@ mod tests {
                     group: "g".into(),
                     ms: 1,
                     slot: 0,
+                    exposure: 0,
                 },
             );
         }

@@ -83,6 +83,11 @@ struct Args {
     /// Share of long calls (0..1).
     #[arg(long, default_value_t = 0.02)]
     long_share: f64,
+    /// Long calls sleep instead of spinning: no CPU, so many can run on a
+    /// small machine, but a fence cannot interrupt them (use it for the
+    /// negative control, not to judge fencing).
+    #[arg(long)]
+    sleep_calls: bool,
     /// Nodes at the start.
     #[arg(long, default_value_t = 3)]
     nodes: usize,
@@ -144,8 +149,10 @@ enum NegativeControl {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
 enum FaultKind {
     /// SIGKILL a node, start a new one after a moment.
+    #[value(name = "kill-9")]
     Kill9,
     /// SIGTERM a node, wait for its exit, start a new one.
+    #[value(name = "sigterm-restart")]
     TermRestart,
     /// Start one more node (up to four).
     ScaleUp,
@@ -182,8 +189,22 @@ impl FaultKind {
         }
     }
 
-    /// The precondition on the node count: one node always stays healthy.
-    fn allowed(self, nodes: usize) -> bool {
+    /// Whether the fault may spend a delivery of a message that never
+    /// failed: a crash (what the node held is redelivered), a broker cut
+    /// (JetStream redelivers after AckWait without the in-progress signal),
+    /// a fence (its interrupted calls are retried).
+    fn spends_deliveries(self) -> bool {
+        matches!(self, Self::Kill9 | Self::BrokerCut | Self::DbStall | Self::DbOutage)
+    }
+
+    /// The preconditions: one node always stays healthy, and a fault that
+    /// may spend deliveries only while every outstanding message has
+    /// deliveries to spare (`exposure`: such faults it has seen; two of
+    /// `max_deliver` are kept back, one of them Weir's capture reserve).
+    fn allowed(self, nodes: usize, exposure: u32, max_deliver: i64) -> bool {
+        if self.spends_deliveries() && max_deliver > 0 && i64::from(exposure) + 2 >= max_deliver {
+            return false;
+        }
         match self {
             Self::Kill9 | Self::TermRestart | Self::BrokerCut | Self::DbStall => nodes >= MIN_NODES,
             Self::ScaleUp => nodes < MAX_NODES,
@@ -296,6 +317,10 @@ struct Chaos {
     ledger: Arc<Mutex<Ledger>>,
     /// Calls at least this long are "long": faults prefer their owners.
     long_min: u64,
+    /// `topology.retry.max_deliver`.
+    max_deliver: i64,
+    /// Faults skipped because a message had no deliveries to spare.
+    held_back: usize,
 }
 
 impl Chaos {
@@ -395,11 +420,22 @@ impl Chaos {
         if self.nodes.len() < MIN_NODES {
             return self.start_node().await;
         }
-        let allowed: Vec<FaultKind> = kinds.iter().copied().filter(|k| k.allowed(self.nodes.len())).collect();
+        let exposure = self.ledger.lock().max_exposure();
+        let allowed: Vec<FaultKind> = kinds
+            .iter()
+            .copied()
+            .filter(|k| k.allowed(self.nodes.len(), exposure, self.max_deliver))
+            .collect();
+        if allowed.len() < kinds.iter().filter(|k| k.allowed(self.nodes.len(), 0, 0)).count() {
+            self.held_back += 1;
+        }
         if allowed.is_empty() {
             return Ok(());
         }
         let kind = allowed[self.rng.random_range(0..allowed.len())];
+        if kind.spends_deliveries() {
+            self.ledger.lock().expose_outstanding();
+        }
         *self.counts.entry(kind.name()).or_default() += 1;
         {
             let mut s = self.status.lock();
@@ -488,6 +524,7 @@ struct Calls {
     short: (u64, u64),
     long: (u64, u64),
     long_share: f64,
+    sleep: bool,
 }
 
 #[allow(clippy::too_many_arguments, reason = "one task's inputs, spelled out")]
@@ -510,14 +547,15 @@ async fn publish_loop(
         let g = rng.random_range(0..groups);
         let group = format!("g{g}");
         let tenant = format!("t{}", g % 2);
-        let ms = if rng.random_bool(calls.long_share) {
+        let long = rng.random_bool(calls.long_share);
+        let ms = if long {
             rng.random_range(calls.long.0..=calls.long.1)
         } else {
             rng.random_range(calls.short.0..=calls.short.1)
         };
         let id = weir::envelope::fresh_id();
         let slot = weir::partition::slot_for(Some(&group), &id, slots);
-        let body = ms.to_string();
+        let body = if long && calls.sleep { format!("{ms} sleep") } else { ms.to_string() };
         let headers = [
             ("weir-message-id", id.as_str()),
             ("weir-message-type", "soak.call"),
@@ -535,7 +573,15 @@ async fn publish_loop(
         }
         let mut l = ledger.lock();
         if confirmed {
-            l.published.insert(id, Published { group, ms, slot });
+            l.published.insert(
+                id,
+                Published {
+                    group,
+                    ms,
+                    slot,
+                    exposure: 0,
+                },
+            );
         } else {
             l.unconfirmed.insert(id);
         }
@@ -733,6 +779,8 @@ async fn soak(
         events: events.clone(),
         ledger: ledger.clone(),
         long_min: args.long_ms.0,
+        max_deliver: args.max_deliver,
+        held_back: 0,
     };
     for _ in 0..args.nodes {
         chaos.start_node().await?;
@@ -784,6 +832,7 @@ async fn soak(
             short: args.short_ms,
             long: args.long_ms,
             long_share: args.long_share,
+            sleep: args.sleep_calls,
         },
         seed,
         pub_stop_rx,
@@ -933,7 +982,11 @@ async fn soak(
         s.longest_slot.map(|x| format!(" (slot {x})")).unwrap_or_default()
     ));
     out.push_str(&format!("  longest slot in `releasing`    {:.2}s\n", s.longest_releasing.as_secs_f64()));
-    out.push_str(&format!("  faults                         {}\n", faults.join(", ")));
+    out.push_str(&format!(
+        "  faults                         {} ({} draws held back a fault that could spend deliveries)\n",
+        faults.join(", "),
+        chaos.held_back
+    ));
     out.push_str(&format!(
         "  nodes hung on SIGTERM          {} {:?}; exited non-zero {:?}; failed to start {:?}\n",
         chaos.hung.len(),

@@ -3,6 +3,9 @@
 //! milliseconds its payload names (busy, so a fence's epoch interruption
 //! can stop it) and then reports its wall-clock interval as a cascade of
 //! type `soak.interval`, which the soak reads off the broker itself.
+//! A payload `MS sleep` sleeps instead (WASI clock: no CPU, but a fence's
+//! epoch interruption cannot stop it until it returns), for runs that
+//! need many long calls on a small machine.
 //! `soak.interval` is bound to this handler too and just succeeds. Neither
 //! ever fails on a well-formed payload: any dead letter is a false one.
 //!
@@ -26,12 +29,18 @@ pub fn handle(msg: &Message) -> Result<(), Failure> {
 
 fn call(msg: &Message) -> Result<(), Failure> {
     let text = msg.text()?;
-    let first = text.split_whitespace().next().unwrap_or("");
+    let mut words = text.split_whitespace();
+    let first = words.next().unwrap_or("");
+    let sleep = words.next() == Some("sleep");
     let ms: u64 = first
         .parse()
         .map_err(|e| Failure::reject(format!("soak.call: payload {text:?} does not start with milliseconds: {e}")))?;
     let start = now_ns();
-    super::busy_wait(Duration::from_millis(ms));
+    if sleep {
+        std::thread::sleep(Duration::from_millis(ms));
+    } else {
+        super::busy_wait(Duration::from_millis(ms));
+    }
     let end = now_ns();
     let node = weir_guest::config("node").unwrap_or_default();
     let line = format!(
