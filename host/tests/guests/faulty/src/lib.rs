@@ -16,6 +16,7 @@ mod hostile;
 mod witbatch;
 mod admin_hardening;
 mod bytes;
+mod soak;
 
 /// The faulty handler.
 pub struct Faulty;
@@ -59,6 +60,7 @@ impl Handler for Faulty {
             k if k.starts_with("hostile.") => hostile::handle(&k["hostile.".len()..], &msg),
             k if k.starts_with("admin.") => admin_hardening::handle(k, &msg),
             k if k.starts_with("bytes.") => bytes::handle(&k["bytes.".len()..], &msg),
+            s if s.starts_with("soak.") => soak::handle(&msg),
             other => Err(Failure::reject(format!("faulty: unknown message type {other:?}"))),
         }
     }
