@@ -850,3 +850,57 @@ fn after_a_fence_and_a_takeover_both_nodes_exit_on_nats() {
     pg.forward();
     cluster.nodes[0].terminate(Duration::from_secs(30));
 }
+
+/// Issue 14 item 4: a SIGINT drain in `postgres` mode settles for good what
+/// it handled: no message node-0 handled before it exited is called again
+/// after (by node-1 or by node-0's next incarnation).
+fn sigint_drain_reruns_nothing(topo: &Broker) {
+    let db = TestDb::new();
+    let mut cluster = Cluster::default();
+    cluster.start("node-0", &config(topo, &db.url(), "node-0"));
+    cluster.start("node-1", &config(topo, &db.url(), "node-1"));
+    wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let msgs: Vec<Envelope> = (0..900).map(|i| slow(&format!("g{}", i % 24), 5)).collect();
+    let publisher = stream(topo, msgs.clone(), Duration::from_secs(6));
+    wait_handled_by(&cluster, "node-0", 100);
+    cluster.nodes[0].interrupt(Duration::from_secs(30));
+    let exited = journal::monotonic_ns();
+    let before: HashSet<String> = cluster
+        .report()
+        .settled
+        .iter()
+        .filter(|(_, (n, o))| n == "node-0" && o == "handled")
+        .map(|(id, _)| id.clone())
+        .collect();
+    cluster.start("node-0b", &config(topo, &db.url(), "node-0b"));
+    publisher.join().unwrap();
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    no_overlap(&report);
+    let again: Vec<&journal::Call> = report
+        .calls
+        .iter()
+        .filter(|c| c.start > exited && before.contains(&c.id))
+        .collect();
+    assert!(
+        again.is_empty(),
+        "{} of the {} messages node-0 handled before its exit were called again after it, first {:?}",
+        again.len(),
+        before.len(),
+        again.first()
+    );
+    for n in &mut cluster.nodes {
+        if n.alive() {
+            n.terminate(Duration::from_secs(30));
+        }
+    }
+}
+
+#[test]
+fn sigint_drain_reruns_nothing_on_rabbitmq() {
+    sigint_drain_reruns_nothing(&Broker::rabbit());
+}
+
+#[test]
+fn sigint_drain_reruns_nothing_on_nats() {
+    sigint_drain_reruns_nothing(&Broker::nats());
+}
