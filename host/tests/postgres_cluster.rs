@@ -16,6 +16,17 @@
 //! - `losing_the_database_fences_before_the_lease_expires`: the node's
 //!   database connection goes through a proxy the test cuts; the node stops
 //!   every call before its lease can expire, and rejoins when it is back.
+//! - Issue 14: `a_draining_node_keeps_its_lease_on_nats` (a stopping node
+//!   renews while it drains), `the_drain_deadline_interrupts_and_releases`,
+//!   `churn_every_slot_has_a_live_owner_after_each_change` (24 changes),
+//!   `a_frozen_database_fences_before_the_lease_expires` and its negative
+//!   control (a [`proxy::FaultProxy`] holds the database's bytes; the fence
+//!   is timed against the lease expiry by the database's clock),
+//!   `after_a_fence_and_a_takeover_both_nodes_exit_on_nats`, and
+//!   `sigint_drain_reruns_nothing_*`.
+//!
+//! Run against this worktree's own build with `WEIR_TEST_BIN` (see
+//! `common::cluster::weir_bin`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
