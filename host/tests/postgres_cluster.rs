@@ -16,6 +16,17 @@
 //! - `losing_the_database_fences_before_the_lease_expires`: the node's
 //!   database connection goes through a proxy the test cuts; the node stops
 //!   every call before its lease can expire, and rejoins when it is back.
+//! - Issue 14: `a_draining_node_keeps_its_lease_on_nats` (a stopping node
+//!   renews while it drains), `the_drain_deadline_interrupts_and_releases`,
+//!   `churn_every_slot_has_a_live_owner_after_each_change` (24 changes),
+//!   `a_frozen_database_fences_before_the_lease_expires` and its negative
+//!   control (a [`proxy::FaultProxy`] holds the database's bytes; the fence
+//!   is timed against the lease expiry by the database's clock),
+//!   `after_a_fence_and_a_takeover_both_nodes_exit_on_nats`, and
+//!   `sigint_drain_reruns_nothing_*`.
+//!
+//! Run against this worktree's own build with `WEIR_TEST_BIN` (see
+//! `common::cluster::weir_bin`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -849,4 +860,58 @@ fn after_a_fence_and_a_takeover_both_nodes_exit_on_nats() {
     cluster.nodes[1].terminate(Duration::from_secs(20));
     pg.forward();
     cluster.nodes[0].terminate(Duration::from_secs(30));
+}
+
+/// Issue 14 item 4: a SIGINT drain in `postgres` mode settles for good what
+/// it handled: no message node-0 handled before it exited is called again
+/// after (by node-1 or by node-0's next incarnation).
+fn sigint_drain_reruns_nothing(topo: &Broker) {
+    let db = TestDb::new();
+    let mut cluster = Cluster::default();
+    cluster.start("node-0", &config(topo, &db.url(), "node-0"));
+    cluster.start("node-1", &config(topo, &db.url(), "node-1"));
+    wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let msgs: Vec<Envelope> = (0..900).map(|i| slow(&format!("g{}", i % 24), 5)).collect();
+    let publisher = stream(topo, msgs.clone(), Duration::from_secs(6));
+    wait_handled_by(&cluster, "node-0", 100);
+    cluster.nodes[0].interrupt(Duration::from_secs(30));
+    let exited = journal::monotonic_ns();
+    let before: HashSet<String> = cluster
+        .report()
+        .settled
+        .iter()
+        .filter(|(_, (n, o))| n == "node-0" && o == "handled")
+        .map(|(id, _)| id.clone())
+        .collect();
+    cluster.start("node-0b", &config(topo, &db.url(), "node-0b"));
+    publisher.join().unwrap();
+    let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
+    no_overlap(&report);
+    let again: Vec<&journal::Call> = report
+        .calls
+        .iter()
+        .filter(|c| c.start > exited && before.contains(&c.id))
+        .collect();
+    assert!(
+        again.is_empty(),
+        "{} of the {} messages node-0 handled before its exit were called again after it, first {:?}",
+        again.len(),
+        before.len(),
+        again.first()
+    );
+    for n in &mut cluster.nodes {
+        if n.alive() {
+            n.terminate(Duration::from_secs(30));
+        }
+    }
+}
+
+#[test]
+fn sigint_drain_reruns_nothing_on_rabbitmq() {
+    sigint_drain_reruns_nothing(&Broker::rabbit());
+}
+
+#[test]
+fn sigint_drain_reruns_nothing_on_nats() {
+    sigint_drain_reruns_nothing(&Broker::nats());
 }

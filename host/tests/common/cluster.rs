@@ -64,6 +64,18 @@ impl NodeProc {
         );
     }
 
+    /// SIGINT (Ctrl-C), then wait for a clean exit (the node drains first).
+    pub fn interrupt(&mut self, timeout: Duration) {
+        self.signal(libc::SIGINT);
+        let status = self.wait(timeout);
+        assert!(
+            status.success(),
+            "{} exited with {status} after SIGINT; log:\n{}",
+            self.name,
+            self.log()
+        );
+    }
+
     /// SIGKILL: a crash, nothing drained.
     pub fn kill(&mut self) {
         self.signal(libc::SIGKILL);
