@@ -245,6 +245,7 @@ mod tests {
             schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
             bypass_lanes: false,
             bypass_batch_lanes: false,
+            inject_panic: None,
         };
         let supervisor: Supervisor = Arc::new(move |_, _, mut stop, _| {
             let gate = gate.clone();
