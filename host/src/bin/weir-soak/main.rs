@@ -539,7 +539,7 @@ async fn publish_loop(
     seed: u64,
     stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_0f_9ab1_15e5);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x005e_ed0f_9ab1_15e5);
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !*stop.borrow() {
