@@ -121,7 +121,7 @@ impl Limits {
 
     /// A place among the uploads running now, or why not (503: the node's
     /// cap, 429: this caller's share).
-    fn admit(&self, caller: &Caller) -> Result<UploadPermit, Response> {
+    fn admit(&self, caller: &Caller) -> Result<UploadPermit, Box<Response>> {
         let key = match caller {
             Caller::Operator => "operator".to_owned(),
             Caller::Tenant(t) => format!("tenant:{t}"),
@@ -130,7 +130,7 @@ impl Limits {
         let total: usize = running.values().sum();
         let mine = running.get(&key).copied().unwrap_or(0);
         let busy = |status: StatusCode, why: String| {
-            (status, [(header::RETRY_AFTER, RETRY_AFTER_SECS)], error_body(&why)).into_response()
+            Box::new((status, [(header::RETRY_AFTER, RETRY_AFTER_SECS)], error_body(&why)).into_response())
         };
         if total >= self.max_uploads {
             return Err(busy(
@@ -584,7 +584,7 @@ async fn deploy(
     }
     let _permit = match s.limits.admit(&caller) {
         Ok(p) => p,
-        Err(busy) => return refuse(body, &s.limits, busy).await,
+        Err(busy) => return refuse(body, &s.limits, *busy).await,
     };
     let spooled = match spool(body, &s.limits).await {
         Ok(f) => f,

@@ -50,7 +50,10 @@ fn answer(what: &str, resp: ureq::http::Response<ureq::Body>) -> anyhow::Result<
     let hint = match status.as_u16() {
         401 => " (check --token)",
         403 => " (a tenant token changes only its own tenant's handlers)",
+        404 => " (no such handler, or, for a tenant token, another tenant's)",
+        408 => " (the upload was too slow: node.admin_body_timeout, node.admin_idle_timeout)",
         413 => " (raise node.max_component_size, or make the component smaller)",
+        429 | 503 => " (the node is busy with other uploads: retry in a few seconds)",
         _ => "",
     };
     anyhow::bail!("{what} refused with {status}: {why}{hint}; the running version stays")

@@ -15,6 +15,13 @@
 //! one node reaches every node (LISTEN/NOTIFY, with a poll as a backstop).
 //! Each activation records the one it replaced: a rollback activates that
 //! one again, and rolling back again walks further back.
+//!
+//! Deploys and rollbacks wait in their caller's queue (one per tenant, one
+//! for the operator), so one tenant's long compilations never delay
+//! another's, and take a per-handler lock for the change itself. Storing is
+//! all or nothing: a failed data-dir or database write changes neither the
+//! registry nor the router. Directory grants are opened once per version
+//! and checked by where they resolve ([`PinnedDir`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
