@@ -42,7 +42,10 @@
 //! naks the delivery with the ladder's delay for the next attempt (the
 //! server times it; a plain `Nak` would redeliver at once, LESSONS.md). A
 //! redelivery (server count above 1) reads the key: attempt = failures + 1;
-//! a first delivery reads nothing. Releases write nothing, so they are never
+//! a first delivery reads nothing (a redelivery the server numbers 1, which
+//! nats-server 2.9 was seen to do for a message it had sent into an
+//! unsubscribed inbox, is then an extra attempt, never a false exhaustion).
+//! Releases write nothing, so they are never
 //! failures. The host dead-letters by this count ([`crate::retry::schedule`]);
 //! the server never gives up on a message. If the bucket cannot be read, the
 //! delivery counts as attempt 1 and if it cannot be written the failure is
