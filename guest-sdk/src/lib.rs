@@ -742,11 +742,8 @@ mod tests {
     #[test]
     fn the_default_batch_loop_attributes_each_publish_to_its_member() {
         testing::reset();
-        let results = <Export<Publisher> as Guest>::handle_batch(vec![
-            wit_message("ok"),
-            wit_message("bad"),
-            wit_message("ok"),
-        ]);
+        let results =
+            <Export<Publisher> as Guest>::handle_batch(vec![wit_message("ok"), wit_message("bad"), wit_message("ok")]);
         assert!(results[0].is_ok() && results[1].is_err() && results[2].is_ok());
         let members: Vec<_> = testing::take_published().into_iter().map(|p| p.member).collect();
         assert_eq!(members, [Some(0), Some(1), Some(2)]);

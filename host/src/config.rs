@@ -646,13 +646,24 @@ impl Topology {
     }
 
     /// The effective retry policy: the section over [`RetryPolicy::default`].
-    pub fn retry_policy(&self) -> RetryPolicy {
+    /// A section without a `ladder` takes the default ladder, except on NATS
+    /// JetStream when the default is too long for the section's
+    /// `max_deliver` (JetStream needs fewer rungs than deliveries): then no
+    /// ladder, which there means AckWait between deliveries, so
+    /// `max_deliver = 3` alone is not refused for the default's 3 rungs.
+    pub fn retry_policy(&self, transport: TransportKind) -> RetryPolicy {
         match &self.retry {
             None => RetryPolicy::default(),
             Some(section) => {
                 let default = RetryPolicy::default();
+                let max_deliver = section.max_deliver.unwrap_or(default.max_deliver);
+                let too_long = usize::try_from(max_deliver).is_ok_and(|m| m > 0 && default.ladder.len() >= m);
+                let absent = match transport {
+                    TransportKind::Nats if too_long => Vec::new(),
+                    _ => default.ladder,
+                };
                 RetryPolicy {
-                    ladder: section.ladder.clone().unwrap_or(default.ladder),
+                    ladder: section.ladder.clone().unwrap_or(absent),
                     max_deliver: section.max_deliver.unwrap_or(default.max_deliver),
                     max_time_to_dead_letter: section.max_time_to_dead_letter,
                     origin: crate::retry::schedule::Origin::Configured,
@@ -663,7 +674,7 @@ impl Topology {
 
     /// The retry schedule on `transport` (`ack_wait`: a JetStream consumer's, when known).
     pub fn schedule(&self, transport: TransportKind, ack_wait: Option<Duration>) -> Schedule {
-        self.retry_policy().schedule(transport.redelivery(ack_wait))
+        self.retry_policy(transport).schedule(transport.redelivery(ack_wait))
     }
 }
 
@@ -672,7 +683,8 @@ impl Topology {
 #[serde(deny_unknown_fields)]
 pub struct RetrySection {
     /// Delay before each redelivery: rung k is waited before delivery k + 1; the last repeats.
-    /// Default `["1s", "5s", "30s"]`. Empty: JetStream waits AckWait; others retry at once.
+    /// Default `["1s", "5s", "30s"]` (on NATS none when `max_deliver` is 3 or less: JetStream
+    /// needs fewer rungs than deliveries). Empty: JetStream waits AckWait; others retry at once.
     #[serde(default, deserialize_with = "de_duration_list")]
     pub ladder: Option<Vec<Duration>>,
     /// Deliveries in total, the first included; 0 or less: unlimited. Default 5.
@@ -1771,7 +1783,7 @@ mod tests {
             (t.name.as_str(), t.slots, t.max_concurrent_groups, t.max_unordered),
             ("orders", 6, 64, 16)
         );
-        let p = t.retry_policy();
+        let p = t.retry_policy(TransportKind::Rabbitmq);
         assert_eq!(p.ladder, [1, 5, 30].map(Duration::from_secs));
         assert_eq!(p.max_deliver, 5);
         assert_eq!(p.max_time_to_dead_letter, Some(Duration::from_secs(600)));
@@ -1813,7 +1825,7 @@ mod tests {
         let t = &c.topology[0];
         assert_eq!(t.max_concurrent_groups, defaults::MAX_CONCURRENT_GROUPS);
         assert_eq!(t.max_unordered, defaults::MAX_UNORDERED);
-        assert_eq!(t.retry_policy(), RetryPolicy::default());
+        assert_eq!(t.retry_policy(TransportKind::Rabbitmq), RetryPolicy::default());
         let h = &c.handler[0];
         assert_eq!(h.limits.memory, defaults::MEMORY);
         assert_eq!(h.limits.max_stack, None);
@@ -1826,7 +1838,7 @@ mod tests {
             "<inline>",
         )
         .expect("valid");
-        let p = c.topology[0].retry_policy();
+        let p = c.topology[0].retry_policy(c.transport.kind);
         assert_eq!((p.ladder.len(), p.max_deliver, p.origin), (3, 9, Origin::Configured));
     }
 
@@ -2273,6 +2285,23 @@ mod tests {
         assert_one(&format!("[node]\nname = \"\"\n{}", base("")), "node.name", "non-empty");
     }
 
+    /// Issue 14 item 14: no ladder on JetStream means AckWait repeated, so
+    /// `max_deliver = 3` alone is accepted on NATS (it was refused for the
+    /// default ladder's 3 rungs); elsewhere the default ladder still applies.
+    #[test]
+    fn max_deliver_without_a_ladder_on_nats_waits_ack_wait() {
+        let text = base("").replace("slots = 4", "slots = 4\n[topology.retry]\nmax_deliver = 3");
+        let nats = text.replace(
+            "[[topology]]",
+            "[transport]\nkind = \"nats\"\nurl = \"nats://n\"\n[[topology]]",
+        );
+        let c = parse(&nats, "<inline>").unwrap_or_else(|e| panic!("accepted on nats: {e}"));
+        let p = c.topology[0].retry_policy(c.transport.kind);
+        assert!(p.ladder.is_empty() && p.max_deliver == 3, "{p:?}");
+        let c = parse(&text.replace("max_deliver = 3", "max_deliver = 4"), "<inline>").expect("valid");
+        assert_eq!(c.topology[0].retry_policy(c.transport.kind).ladder.len(), 3, "the default ladder elsewhere");
+    }
+
     #[test]
     fn retry_ladder_longer_than_max_deliver() {
         let text = base("").replace(
@@ -2332,7 +2361,7 @@ mod tests {
             let text = base("").replace("[[topology]]", &format!("{transport}[[topology]]"));
             let c = parse(&text, "<inline>").expect("valid");
             assert_eq!(c.validate().expect("valid"), Vec::<Violation>::new());
-            assert_eq!(c.topology[0].retry_policy().origin, Origin::Default);
+            assert_eq!(c.topology[0].retry_policy(c.transport.kind).origin, Origin::Default);
         }
     }
 

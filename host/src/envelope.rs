@@ -505,7 +505,14 @@ mod tests {
     #[test]
     fn cascade_ids_differ_across_tenants_and_types_for_one_message_id() {
         let of = |tenant: Option<&str>, id: &str, ty: &str| {
-            new_message(id.into(), ty, Some("g".into()), tenant.map(str::to_owned), vec![], vec![])
+            new_message(
+                id.into(),
+                ty,
+                Some("g".into()),
+                tenant.map(str::to_owned),
+                vec![],
+                vec![],
+            )
         };
         let parents = [
             of(Some("acme"), "m-1", "order.placed"),

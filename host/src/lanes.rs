@@ -1011,13 +1011,13 @@ async fn batch_outcomes(
 ) -> Option<Vec<(Envelope, CallOutcome)>> {
     match outcome {
         BatchOutcome::Done {
-            results,
-            unattributed,
-            ..
+            results, unattributed, ..
         } if !unattributed.is_empty() && !results.iter().all(Result::is_ok) => {
             p.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
-                handler = handler.name(), group = batch.first().and_then(|e| e.group()), members = batch.len(),
+                handler = handler.name(),
+                group = batch.first().and_then(|e| e.group()),
+                members = batch.len(),
                 unattributed = unattributed.len(),
                 "handle-batch published for no member in particular (no begin-member first) and not every \
                  member succeeded; replaying its members one at a time through handle"

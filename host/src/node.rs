@@ -285,7 +285,7 @@ impl Node {
                 .declare(&TopologySpec {
                     name: t.name.clone(),
                     slots: t.slots,
-                    retry: t.retry_policy(),
+                    retry: t.retry_policy(config.transport.kind),
                 })
                 .await
                 .with_context(|| format!("declaring topology[{ti}] `{}` on {}", t.name, transport.system()))?;

@@ -54,7 +54,7 @@ pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
         .declare(&TopologySpec {
             name: topo.name.clone(),
             slots: topo.slots,
-            retry: topo.retry_policy(),
+            retry: topo.retry_policy(cfg.transport.kind),
         })
         .await
         .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))?;

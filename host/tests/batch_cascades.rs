@@ -160,11 +160,13 @@ fn msg(id: &str, t: &str, group: &str, tenant: Option<&str>) -> Envelope {
     )
 }
 
+/// One guest call: whether it was `handle-batch`, and its members' (id, tenant).
+type Seen = (bool, Vec<(String, Option<String>)>);
+
 /// Every call (single or batch, with its members' ids) and every settlement.
 #[derive(Default)]
 struct Watch {
-    /// (batch?, [(id, tenant)])
-    calls: Mutex<Vec<(bool, Vec<(String, Option<String>)>)>>,
+    calls: Mutex<Vec<Seen>>,
     settled: Mutex<HashMap<String, Vec<Outcome>>>,
 }
 
@@ -199,7 +201,10 @@ impl Watch {
     async fn wait(&self, what: &str, f: impl Fn(&Self) -> bool) {
         let start = Instant::now();
         while !f(self) {
-            assert!(start.elapsed() < TIMEOUT, "timed out after {TIMEOUT:?} waiting for {what}");
+            assert!(
+                start.elapsed() < TIMEOUT,
+                "timed out after {TIMEOUT:?} waiting for {what}"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -229,7 +234,9 @@ async fn start(on: &On, watch: &Arc<Watch>, guest: Guest) -> Node {
         settle_observer: Some(watch.clone()),
         ..NodeOptions::default()
     };
-    Node::start(&config(on, guest), on.transport.clone(), opts).await.unwrap()
+    Node::start(&config(on, guest), on.transport.clone(), opts)
+        .await
+        .unwrap()
 }
 
 /// Publish the three members of one batch (`prefix` `wb.` or `wb.legacy.`)
@@ -241,8 +248,18 @@ async fn one_batch_of_three(on: &On, watch: &Arc<Watch>, guest: Guest, prefix: &
     let tag = &uuid::Uuid::new_v4().simple().to_string()[..8];
     let members = [
         msg(&format!("ok-{tag}"), &format!("{prefix}publish"), "g", Some("acme")),
-        msg(&format!("retry-{tag}"), &format!("{prefix}publish-retry-first"), "g", Some("acme")),
-        msg(&format!("reject-{tag}"), &format!("{prefix}publish-reject"), "g", Some("acme")),
+        msg(
+            &format!("retry-{tag}"),
+            &format!("{prefix}publish-retry-first"),
+            "g",
+            Some("acme"),
+        ),
+        msg(
+            &format!("reject-{tag}"),
+            &format!("{prefix}publish-reject"),
+            "g",
+            Some("acme"),
+        ),
     ];
     for m in &members {
         node.publish(&on.topology, m).await.unwrap();
@@ -258,7 +275,9 @@ async fn one_batch_of_three(on: &On, watch: &Arc<Watch>, guest: Guest, prefix: &
     let sentinel = msg(&format!("sentinel-{tag}"), "ok", "g", Some("acme"));
     node.publish(&on.topology, &sentinel).await.unwrap();
     watch
-        .wait("the sentinel handled", |w| w.settlements(&sentinel.id) == [Outcome::Handled])
+        .wait("the sentinel handled", |w| {
+            w.settlements(&sentinel.id) == [Outcome::Handled]
+        })
         .await;
     let replays = node.stats().snapshot().batch_replays;
     node.shutdown().await.unwrap();
@@ -302,9 +321,21 @@ async fn unattributed_publishes_replay_a_mixed_batch(on: On, guest: Guest) {
     let ([ok, retry, reject], replays) = one_batch_of_three(&on, &watch, guest, prefix).await;
     assert_eq!(replays, 1, "the mixed batch is replayed once");
     let calls = |id: String| watch.single_calls(&id);
-    assert_eq!(calls(envelope::cascade_id(&ok, 0)), 1, "the replay's cascade of the succeeding member");
-    assert_eq!(calls(envelope::batch_cascade_id(&ok, 0)), 0, "nothing of the mixed batch call goes out");
-    assert_eq!(calls(envelope::cascade_id(&retry, 0)), 0, "the replay's retry publishes nothing");
+    assert_eq!(
+        calls(envelope::cascade_id(&ok, 0)),
+        1,
+        "the replay's cascade of the succeeding member"
+    );
+    assert_eq!(
+        calls(envelope::batch_cascade_id(&ok, 0)),
+        0,
+        "nothing of the mixed batch call goes out"
+    );
+    assert_eq!(
+        calls(envelope::cascade_id(&retry, 0)),
+        0,
+        "the replay's retry publishes nothing"
+    );
     assert_eq!(
         calls(envelope::batch_cascade_id(&retry, 0)),
         1,
@@ -344,7 +375,11 @@ async fn cascade_ids_are_keyed_by_tenant_and_type(on: On) {
             .filter(|(batch, m)| !batch && &m[0].0 == child)
             .map(|(_, m)| m[0].1.clone())
             .collect();
-        assert_eq!(tenants, [parent.tenant_id.clone()], "cascade {child} of {parent:?}");
+        assert_eq!(
+            tenants,
+            std::slice::from_ref(&parent.tenant_id),
+            "cascade {child} of {parent:?}"
+        );
     }
 }
 

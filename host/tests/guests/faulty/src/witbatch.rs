@@ -12,7 +12,10 @@ use weir_guest::{Failure, Message};
 /// `handle` for a `wb.` type.
 pub fn handle(msg: Message) -> Result<(), Failure> {
     let kind = msg.message_type();
-    let kind = kind.strip_prefix("wb.legacy.").or_else(|| kind.strip_prefix("wb.")).unwrap_or(kind);
+    let kind = kind
+        .strip_prefix("wb.legacy.")
+        .or_else(|| kind.strip_prefix("wb."))
+        .unwrap_or(kind);
     let publish = || weir_guest::publish("ok", msg.group_id(), &[], msg.payload());
     match kind {
         "publish" => publish(),
