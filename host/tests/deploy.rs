@@ -190,6 +190,14 @@ async fn bad_uploads_are_refused_with_the_reason_and_the_running_version_keeps_s
         ),
         ("too large", vec![0u8; 3 << 20], 413, "max_component_size"),
         ("empty body", Vec::new(), 400, "not a valid WebAssembly component"),
+        // The text parser quotes what it could not parse: a long run of
+        // it must not come back in the answer (or the log).
+        (
+            "1 MiB of text",
+            "x".repeat(1 << 20).into_bytes(),
+            400,
+            "not a valid WebAssembly component",
+        ),
     ];
     for (what, bytes, status, reason) in cases {
         let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(OPERATOR), bytes).await;
@@ -199,6 +207,7 @@ async fn bad_uploads_are_refused_with_the_reason_and_the_running_version_keeps_s
             error.contains(reason),
             "{what}: the reason should say {reason:?}, got {error:?}"
         );
+        assert!(error.len() < 4096, "{what}: a {} byte reason", error.len());
         assert_eq!(digest_of(port, "shop").await, v1, "{what}: the running version changed");
         handled_once_more(&node, "acme").await;
     }

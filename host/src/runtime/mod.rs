@@ -113,6 +113,9 @@ impl Default for CallBudgets {
     }
 }
 
+/// Longest compile error kept in a refused load's answer.
+const LOAD_ERROR_BYTES: usize = 2048;
+
 /// Cut `text` to at most `budget` bytes when it is longer: its first line (as much of it as
 /// fits), then a marker with the original length. Shorter texts are left alone.
 pub fn cut_text(text: &mut String, budget: usize) {
@@ -560,9 +563,13 @@ impl Runtime {
                 )
             })?;
         }
-        let component = self
-            .compile(bytes, &digest)
-            .with_context(|| format!("{origin} is not a valid WebAssembly component"))?;
+        // The parser's error may quote the upload (a text module, a run of
+        // zeros): cut it, so a bad upload's answer and log line stay small.
+        let component = self.compile(bytes, &digest).map_err(|e| {
+            let mut why = format!("{e:#}");
+            cut_text(&mut why, LOAD_ERROR_BYTES);
+            anyhow::anyhow!("{origin} is not a valid WebAssembly component: {why}")
+        })?;
         let pre = self.linker.instantiate_pre(&component).map_err(anyhow::Error::from);
         let pre = pre
             .and_then(|pre| match HandlerPre::new(pre.clone()) {
