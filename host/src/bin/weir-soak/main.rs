@@ -714,7 +714,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             .map_err(|e| anyhow::anyhow!("the soak's own node config does not parse: {e}"))?;
         let t = cfg.topology.first().context("the soak's node config has no topology")?;
         let mut spec = weir::transport::TopologySpec::new(&topology, args.slots);
-        spec.retry = t.retry_policy();
+        spec.retry = t.retry_policy(cfg.transport.kind);
         spec
     };
 
