@@ -2299,7 +2299,11 @@ mod tests {
         let p = c.topology[0].retry_policy(c.transport.kind);
         assert!(p.ladder.is_empty() && p.max_deliver == 3, "{p:?}");
         let c = parse(&text.replace("max_deliver = 3", "max_deliver = 4"), "<inline>").expect("valid");
-        assert_eq!(c.topology[0].retry_policy(c.transport.kind).ladder.len(), 3, "the default ladder elsewhere");
+        assert_eq!(
+            c.topology[0].retry_policy(c.transport.kind).ladder.len(),
+            3,
+            "the default ladder elsewhere"
+        );
     }
 
     #[test]

@@ -72,7 +72,11 @@ impl Limits {
     /// AMQP limits for a connection with this `frame_max` (0: the AMQP
     /// "no limit", treated as RabbitMQ's default).
     pub fn amqp(frame_max: usize) -> Self {
-        let frame_max = if frame_max == 0 { AMQP_DEFAULT_FRAME_MAX } else { frame_max };
+        let frame_max = if frame_max == 0 {
+            AMQP_DEFAULT_FRAME_MAX
+        } else {
+            frame_max
+        };
         Self {
             rules: Rules::Amqp { frame_max },
         }
@@ -163,7 +167,9 @@ impl Limits {
             let largest = wire.headers.iter().max_by_key(|(k, v)| k.len() + v.len());
             let what = match self.rules {
                 Rules::Amqp { frame_max } => {
-                    format!("headers take {size} bytes of the AMQP content header; the connection's frame_max {frame_max} leaves {budget}")
+                    format!(
+                        "headers take {size} bytes of the AMQP content header; the connection's frame_max {frame_max} leaves {budget}"
+                    )
                 }
                 Rules::Nats { max_payload } => format!(
                     "headers take {} bytes, with the payload {size}; JetStream allows {} bytes of headers and the server's max_payload {max_payload} leaves {budget} in all",
@@ -301,7 +307,11 @@ mod tests {
     fn nats_refuses_crlf_and_bad_names() {
         let l = Limits::nats(1 << 20);
         assert!(l.check(&wire(&[("x-a", "a\nb")])).unwrap_err().contains("CR or LF"));
-        assert!(l.check(&wire(&[("bad name", "v")])).unwrap_err().contains("printable ASCII"));
+        assert!(
+            l.check(&wire(&[("bad name", "v")]))
+                .unwrap_err()
+                .contains("printable ASCII")
+        );
         assert!(l.check(&wire(&[("a:b", "v")])).is_err());
         assert!(l.check(&wire(&[("x-a", "ok")])).is_ok());
     }
@@ -320,8 +330,15 @@ mod tests {
         assert!(l.check(&w).is_ok());
         let e = w.header(header::ERROR).unwrap();
         assert!(e.starts_with("start of it"), "keeps the start");
-        assert!(e.ends_with(&cut_marker(reason.len())), "says it was cut and how long it was");
-        assert_eq!(w.header("x-user").map(str::len), Some(1000), "the user header was not touched");
+        assert!(
+            e.ends_with(&cut_marker(reason.len())),
+            "says it was cut and how long it was"
+        );
+        assert_eq!(
+            w.header("x-user").map(str::len),
+            Some(1000),
+            "the user header was not touched"
+        );
     }
 
     #[test]

@@ -72,8 +72,8 @@
 //! may still reorder, as any redelivery may).
 
 use std::borrow::Cow;
-use std::str::FromStr as _;
 use std::collections::HashMap;
+use std::str::FromStr as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -678,7 +678,12 @@ impl Nats {
         let limits = Limits::nats(conn.client.max_payload());
         if fit {
             for note in limits.fit(&mut wire) {
-                tracing::warn!(messaging.system = SYSTEM, target, change = note, "a dead letter did not fit the server's header rules; written with a marker");
+                tracing::warn!(
+                    messaging.system = SYSTEM,
+                    target,
+                    change = note,
+                    "a dead letter did not fit the server's header rules; written with a marker"
+                );
             }
         }
         let invalid = |e: String| TransportError::new(ErrorKind::Invalid, format!("not published to {target}: {e}"));

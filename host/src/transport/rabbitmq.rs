@@ -200,8 +200,7 @@ fn properties(wire: &Wire) -> Result<BasicProperties, String> {
         if k == header::BINARY_HEADERS {
             continue;
         }
-        let name = ShortString::try_new(k.as_str())
-            .map_err(|e| format!("header name of {} bytes: {e}", k.len()))?;
+        let name = ShortString::try_new(k.as_str()).map_err(|e| format!("header name of {} bytes: {e}", k.len()))?;
         let value = match binary.contains(k) {
             true => hex::decode(v).map_or_else(
                 |_| AMQPValue::LongString(v.as_str().into()),
@@ -272,7 +271,10 @@ fn header_pairs(props: &BasicProperties) -> Vec<(&str, Cow<'_, str>)> {
         })
         .collect();
     if !binary.is_empty() {
-        pairs.push((header::BINARY_HEADERS, Cow::Owned(envelope::binary_headers_value(&binary))));
+        pairs.push((
+            header::BINARY_HEADERS,
+            Cow::Owned(envelope::binary_headers_value(&binary)),
+        ));
     }
     pairs
 }
@@ -374,7 +376,12 @@ impl RabbitMq {
         if fit {
             fitted = wire.clone();
             for note in limits.fit(&mut fitted) {
-                tracing::warn!(messaging.system = SYSTEM, target, change = note, "a dead letter did not fit the broker's header rules; written with a marker");
+                tracing::warn!(
+                    messaging.system = SYSTEM,
+                    target,
+                    change = note,
+                    "a dead letter did not fit the broker's header rules; written with a marker"
+                );
             }
             wire = &fitted;
         }
@@ -792,7 +799,12 @@ impl RabbitSubscription {
         };
         let message = match message {
             Ok(env) if !self.transport.inner.unsendable.lock().is_empty() => {
-                let why = self.transport.inner.unsendable.lock().remove(&(self.queue.clone(), env.id.clone()));
+                let why = self
+                    .transport
+                    .inner
+                    .unsendable
+                    .lock()
+                    .remove(&(self.queue.clone(), env.id.clone()));
                 match why {
                     Some(why) => Err((envelope::encode(&env), envelope::DecodeError::Unsendable(why))),
                     None => Ok(env),

@@ -206,6 +206,18 @@ pub fn config(
     ladder: &[Duration],
     max_deliver: i64,
     node_name: &str,
+) -> Config {
+    config_typed(subject, name, slots, ladder, max_deliver, node_name, &[])
+}
+
+/// [`config`] with more message types bound to the faulty guest.
+pub fn config_typed(
+    subject: &Subject,
+    name: &str,
+    slots: u32,
+    ladder: &[Duration],
+    max_deliver: i64,
+    node_name: &str,
     extra_types: &[&str],
 ) -> Config {
     let mut t = config::Topology::new(name, slots);
@@ -262,7 +274,7 @@ impl<G> Harness<G> {
         extra_types: &[&str],
     ) -> Self {
         let node_name = format!("node-{name}");
-        let cfg = config(&subject, name, slots, ladder, max_deliver, &node_name, extra_types);
+        let cfg = config_typed(&subject, name, slots, ladder, max_deliver, &node_name, extra_types);
         let seen = Arc::new(Mutex::new(Vec::new()));
         let subscriptions = Arc::new(AtomicU32::new(0));
         let transport = Arc::new(Recording {

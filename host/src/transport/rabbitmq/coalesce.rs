@@ -299,20 +299,38 @@ mod tests {
         use futures::StreamExt as _;
         use lapin::options::{BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions};
         use lapin::types::FieldTable;
-        let url = std::env::var("WEIR_TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-        let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await.unwrap();
+        let url =
+            std::env::var("WEIR_TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
         let ch = conn.create_channel().await.unwrap();
-        let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..QueueDeclareOptions::default() };
+        let opts = QueueDeclareOptions {
+            exclusive: true,
+            auto_delete: true,
+            ..QueueDeclareOptions::default()
+        };
         let q = ch.queue_declare("".into(), opts, FieldTable::default()).await.unwrap();
         let queue = q.name().as_str().to_owned();
         for _ in 0..4 {
-            ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), b"x", Default::default())
-                .await
-                .unwrap();
+            ch.basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                b"x",
+                Default::default(),
+            )
+            .await
+            .unwrap();
         }
         ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
         let mut consumer = ch
-            .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .basic_consume(
+                queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
             .await
             .unwrap();
         let gate = Arc::new(Gate::default());
@@ -342,7 +360,9 @@ mod tests {
         let mut flush_all = tokio::spawn(async move { closing.flush_all().await });
         // Without the send lock, `flush_all` finishes on its own here
         // (having sent `multiple` 4); with it, it waits for the gate.
-        let finished_alone = tokio::time::timeout(Duration::from_millis(500), &mut flush_all).await.is_ok();
+        let finished_alone = tokio::time::timeout(Duration::from_millis(500), &mut flush_all)
+            .await
+            .is_ok();
         gate.open.notify_one();
         if !finished_alone {
             flush_all.await.unwrap();
