@@ -1,5 +1,5 @@
 //! A ledger that watches guest calls and settlements: it detects two calls
-//! of one group running at once (claim-and-release on the group id, with a
+//! of one group running at once (claim-and-release on the (tenant, group) key, with a
 //! compare-and-remove so a losing claimant cannot evict the holder), counts
 //! out-of-order starts within a group, the peak number of groups running at
 //! once (cross-group parallelism), and the final outcome of every message id.
@@ -80,6 +80,17 @@ impl Ledger {
     }
 }
 
+/// The key a lane runs under: (tenant, group), since two tenants' groups of
+/// one name are different groups (they may run at once, in their own order).
+/// `None` for a message without a group.
+fn lane_of(msg: &Envelope) -> Option<String> {
+    let group = msg.group()?;
+    Some(match &msg.tenant_id {
+        Some(t) => format!("{t}\0{group}"),
+        None => group.to_owned(),
+    })
+}
+
 impl Ledger {
     /// Check `msg`'s position against the latest started in `group`.
     fn note_seq(&self, group: &str, msg: &Envelope) {
@@ -98,18 +109,18 @@ impl Ledger {
 impl CallObserver for Ledger {
     fn before(&self, msg: &Envelope) {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let Some(group) = msg.group() else { return };
+        let Some(group) = lane_of(msg) else { return };
         {
             let mut claims = self.claims.lock();
-            if claims.contains_key(group) {
+            if claims.contains_key(&group) {
                 self.overlaps.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(group, message = %msg.id, "ledger: two calls of one group at once");
+                tracing::error!(group = msg.group(), tenant = msg.tenant_id.as_deref(), message = %msg.id, "ledger: two calls of one group at once");
             } else {
-                claims.insert(group.to_owned(), std::thread::current().id());
+                claims.insert(group.clone(), std::thread::current().id());
             }
             self.peak_groups.fetch_max(claims.len(), Ordering::Relaxed);
         }
-        self.note_seq(group, msg);
+        self.note_seq(&group, msg);
     }
 
     /// One call for the whole batch: one claim on its group, every member
@@ -127,16 +138,16 @@ impl CallObserver for Ledger {
             tracing::error!(message = %first.id, "ledger: a batch mixes tenants or groups");
         }
         self.before(first);
-        if let Some(group) = first.group() {
-            batch[1..].iter().for_each(|m| self.note_seq(group, m));
+        if let Some(group) = lane_of(first) {
+            batch[1..].iter().for_each(|m| self.note_seq(&group, m));
         }
     }
 
     fn after(&self, msg: &Envelope) {
-        let Some(group) = msg.group() else { return };
+        let Some(group) = lane_of(msg) else { return };
         let mut claims = self.claims.lock();
-        if claims.get(group) == Some(&std::thread::current().id()) {
-            claims.remove(group);
+        if claims.get(&group) == Some(&std::thread::current().id()) {
+            claims.remove(&group);
         }
     }
 }

@@ -508,7 +508,6 @@ async fn try_node(topo: &Topo, ladder: &[Duration], max_deliver: i64, retry: boo
         ladder,
         max_deliver,
         &format!("node-{}", topo.name),
-        &[],
     );
     if !retry {
         cfg.topology[0].retry = None;

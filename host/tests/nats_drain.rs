@@ -62,7 +62,7 @@ async fn node(topo: &Topo, shared: &Shared, slots: u32, ladder: &[Duration], max
         kind: TransportKind::Nats,
         url: Some(topo.url.clone()),
     };
-    let cfg = compliance::config(&subject, &topo.name, slots, ladder, max_deliver, &format!("node-{n}"), &[]);
+    let cfg = compliance::config(&subject, &topo.name, slots, ladder, max_deliver, &format!("node-{n}"));
     let opts = NodeOptions {
         workers: 2,
         runtime: common::cached(RuntimeOptions::default()),
@@ -245,7 +245,7 @@ async fn two_forwarders_keep_the_ingress_order() {
             kind: TransportKind::Nats,
             url: Some(topo.url.clone()),
         };
-        let mut cfg = compliance::config(&subject, &topo.name, 1, &[secs(1)], 3, &format!("fwd-{n}"), &[]);
+        let mut cfg = compliance::config(&subject, &topo.name, 1, &[secs(1)], 3, &format!("fwd-{n}"));
         cfg.cluster.mode = ClusterMode::Static;
         cfg.cluster.owned_slots = Some(Vec::new());
         let opts = NodeOptions {
