@@ -45,7 +45,14 @@ fn soak(broker: &str, seed: u64, args: &[&str]) -> Run {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    println!("{stdout}");
+    // The summary goes to the run's log (straight to stderr: the test
+    // harness would hold it back for a passing test), and is kept beside the
+    // run directories for the figures in docs/RELIABILITY.md.
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), stdout.as_bytes());
+    let _ = std::fs::write(
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("soak-{broker}-last-summary.txt")),
+        &stdout,
+    );
     let summary = std::fs::read_to_string(dir.join("summary.json"))
         .ok()
         .and_then(|s| serde_json::from_str(&s).ok())
