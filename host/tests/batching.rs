@@ -83,6 +83,12 @@ fn config(on: &On, size: u32, linger: Duration, max_groups: u32, prefetch: u32) 
         &on.topology,
         vec!["slow".into(), "ok".into()],
     );
+    // The watch below holds a call up to its `hold` while it waits for a
+    // second call of the group (the negative control's overlap); that wait
+    // runs on the call's clock, so the timeout must be far longer than any
+    // hold, or a partner that comes late turns the wait into timeouts,
+    // retries and dead letters instead of an overlap.
+    h.limits.timeout = Duration::from_secs(60);
     h.batch = Some(config::Batch {
         message_types: ["batch.slow", "batch.ok", "batch.reject", "batch.trap"]
             .map(String::from)
@@ -301,7 +307,7 @@ async fn negative_control_batches_outside_their_lane(on: On) {
         .await
         .unwrap();
     let stats = node.stats();
-    wait_until("every message handled", Duration::from_secs(30), || {
+    wait_until("every message handled", Duration::from_secs(60), || {
         stats.handled.load(Ordering::Relaxed) >= 3
     })
     .await;
