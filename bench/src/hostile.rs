@@ -86,7 +86,11 @@ fn run(
             tasks.push(tokio::spawn(async move {
                 let group = format!("good-{lane}");
                 while !stop.load(Ordering::Relaxed) {
-                    if pool.run_each(vec![(good.clone(), msg("slow", &group, "1"))], None).await.is_ok() {
+                    if pool
+                        .run_each(vec![(good.clone(), msg("slow", &group, "1"))], None)
+                        .await
+                        .is_ok()
+                    {
                         handled.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -148,7 +152,10 @@ pub fn main(mut args: impl Iterator<Item = String>) -> anyhow::Result<()> {
     let pool = Arc::new(WorkerPool::new(runtime, workers)?);
 
     let (solo, solo_rss) = run(&pool, &good, &bad, None, seconds)?;
-    println!("{:<16} {:>12} {:>7} {:>10}", "scenario", "good calls/s", "ratio", "peak RSS");
+    println!(
+        "{:<16} {:>12} {:>7} {:>10}",
+        "scenario", "good calls/s", "ratio", "peak RSS"
+    );
     println!("{:<16} {:>12.0} {:>7} {:>7} MiB", "solo", solo, "1.00", solo_rss >> 20);
     let mut failed = Vec::new();
     for (row, message_type, payload) in HOSTILE {
@@ -164,7 +171,10 @@ pub fn main(mut args: impl Iterator<Item = String>) -> anyhow::Result<()> {
             failed.push(*row);
         }
     }
-    println!("targets: ratio >= 0.80, peak RSS <= solo + 512 MiB; demoted calls {}", pool.demoted());
+    println!(
+        "targets: ratio >= 0.80, peak RSS <= solo + 512 MiB; demoted calls {}",
+        pool.demoted()
+    );
     if !failed.is_empty() {
         bail!("below target: {}", failed.join(", "));
     }

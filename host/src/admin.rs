@@ -38,13 +38,13 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures::StreamExt as _;
+use parking_lot::Mutex;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry as Metrics;
-use futures::StreamExt as _;
-use parking_lot::Mutex;
 use tokio::io::AsyncWriteExt as _;
 use tokio::sync::watch;
 
@@ -416,10 +416,7 @@ async fn connection(
 async fn ready(State(s): State<Arc<AdminState>>) -> Response {
     let failing = s.stats.failing();
     if !failing.is_empty() {
-        let slots: Vec<String> = failing
-            .iter()
-            .map(|((t, n), why)| format!("{t}/{n}: {why}"))
-            .collect();
+        let slots: Vec<String> = failing.iter().map(|((t, n), why)| format!("{t}/{n}: {why}")).collect();
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: slot runner failed, restarting: {}\n", slots.join("; ")),
@@ -568,7 +565,14 @@ async fn deploy(
     }
     let grants = match parse_grants(query.as_deref()) {
         Ok(g) => g,
-        Err(e) => return refuse(body, &s.limits, (StatusCode::BAD_REQUEST, error_body(&e)).into_response()).await,
+        Err(e) => {
+            return refuse(
+                body,
+                &s.limits,
+                (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
+            )
+            .await;
+        }
     };
     let max = s.limits.max_upload;
     let declared = headers
@@ -652,9 +656,7 @@ async fn spool(body: axum::body::Body, limits: &Limits) -> Result<Spooled, Respo
         return Err(store_error(e, &limits.upload_dir));
     }
     let mut spooled = Spooled {
-        path: limits
-            .upload_dir
-            .join(format!("weir-{}.upload", uuid::Uuid::new_v4())),
+        path: limits.upload_dir.join(format!("weir-{}.upload", uuid::Uuid::new_v4())),
         size: 0,
     };
     let mut file = match tokio::fs::File::create(&spooled.path).await {

@@ -583,7 +583,8 @@ pub struct Cluster {
 impl Cluster {
     /// `drain_deadline`, or its default for this lease.
     pub fn drain_deadline(&self) -> Duration {
-        self.drain_deadline.unwrap_or_else(|| defaults::drain_deadline(self.lease))
+        self.drain_deadline
+            .unwrap_or_else(|| defaults::drain_deadline(self.lease))
     }
 }
 
@@ -1170,7 +1171,10 @@ impl Config {
             ("node.budgets.log_line_bytes", b.log_line_bytes.bytes()),
         ] {
             if value == 0 {
-                errors.add(key, "is 0; accepted: a positive size or count (or remove it for the default)");
+                errors.add(
+                    key,
+                    "is 0; accepted: a positive size or count (or remove it for the default)",
+                );
             }
         }
         if b.error_bytes.bytes() < 128 {
@@ -1664,7 +1668,11 @@ mod tests {
         let c = parse(&text, "weir.toml").unwrap();
         assert_eq!(c.node.budgets.cascade_bytes, ByteSize(1 << 20));
         assert_eq!(c.node.budgets.log_lines, 10);
-        assert_eq!(c.node.budgets.log_bytes, defaults::LOG_BYTES, "the others keep their defaults");
+        assert_eq!(
+            c.node.budgets.log_bytes,
+            defaults::LOG_BYTES,
+            "the others keep their defaults"
+        );
         assert_eq!(c.node.instance_pool, Some(1024));
         assert_one(
             &format!("[node.budgets]\nlog_lines = 0\n{}", base("")),
@@ -2265,8 +2273,16 @@ mod tests {
             "cluster.drain_deadline",
             "at least 10s",
         );
-        let c = parse(&base("").replace("[[topology]]", "[cluster]\nlease = \"40s\"\n[[topology]]"), "weir.toml").unwrap();
-        assert_eq!(c.cluster.drain_deadline(), Duration::from_secs(40), "the default grows with the lease");
+        let c = parse(
+            &base("").replace("[[topology]]", "[cluster]\nlease = \"40s\"\n[[topology]]"),
+            "weir.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            c.cluster.drain_deadline(),
+            Duration::from_secs(40),
+            "the default grows with the lease"
+        );
         let c = parse(&base(""), "weir.toml").unwrap();
         assert_eq!(c.cluster.drain_deadline(), defaults::DRAIN_DEADLINE);
     }

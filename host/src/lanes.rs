@@ -133,7 +133,10 @@ impl InjectedPanic {
     #[allow(clippy::panic, reason = "panicking on request is this test hook's job")]
     fn fire(&self, envs: &[Envelope]) {
         if envs.iter().any(|e| e.message_type == self.message_type) && !self.fired.swap(true, Ordering::SeqCst) {
-            panic!("injected panic (test hook) in a job holding a `{}` message", self.message_type);
+            panic!(
+                "injected panic (test hook) in a job holding a `{}` message",
+                self.message_type
+            );
         }
     }
 }
@@ -277,7 +280,10 @@ fn lane_key(tenant: Option<&str>, group: &str) -> u64 {
         None => partition::fnv1a_64(group.as_bytes()),
         // A NUL cannot be part of the tenant's UTF-8 name, so ("a", "bc") and
         // ("ab", "c") hash different byte strings.
-        Some(t) => partition::fnv1a_64_continue(partition::fnv1a_64_continue(partition::fnv1a_64(t.as_bytes()), b"\0"), group.as_bytes()),
+        Some(t) => partition::fnv1a_64_continue(
+            partition::fnv1a_64_continue(partition::fnv1a_64(t.as_bytes()), b"\0"),
+            group.as_bytes(),
+        ),
     }
 }
 

@@ -445,7 +445,11 @@ impl Node {
                 Err(e) => tracing::error!(error = %e, "the coordinator panicked"),
             }
         }
-        let reports = if gave_up { Vec::new() } else { self.slots.drain_all().await };
+        let reports = if gave_up {
+            Vec::new()
+        } else {
+            self.slots.drain_all().await
+        };
         for f in self.followers.drain(..) {
             let _ = f.await;
         }
@@ -524,7 +528,12 @@ pub(crate) async fn supervise_slot(
         tokio::pin!(run);
         // A slot marked failing is healthy again once its new runner has
         // run this long without failing.
-        let mut healthy_at = p.stats.failing().iter().any(|((t, s), _)| **t == *settings.topology && *s == settings.slot).then(|| tokio::time::Instant::now() + HEALTHY_AFTER);
+        let mut healthy_at = p
+            .stats
+            .failing()
+            .iter()
+            .any(|((t, s), _)| **t == *settings.topology && *s == settings.slot)
+            .then(|| tokio::time::Instant::now() + HEALTHY_AFTER);
         let result = loop {
             tokio::select! {
                 r = &mut run => break r,

@@ -21,9 +21,9 @@ pub fn fnv1a_64(bytes: &[u8]) -> u64 {
 /// concatenation without building it (`fnv1a_64(a ++ b) ==
 /// fnv1a_64_continue(fnv1a_64(a), b)`).
 pub fn fnv1a_64_continue(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME)
-    })
+    bytes
+        .iter()
+        .fold(hash, |hash, &byte| (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME))
 }
 
 /// Lamping–Veach jump consistent hash ("A Fast, Minimal Memory, Consistent Hash Algorithm",

@@ -122,8 +122,12 @@ impl PinnedDir {
 
     /// Where the directory is now, refused when that is outside the allow list.
     pub fn location(&self) -> Result<PathBuf, String> {
-        let now = std::fs::read_link(self.fd_path())
-            .map_err(|e| format!("{}: cannot tell where the opened directory is: {e}", self.granted.display()))?;
+        let now = std::fs::read_link(self.fd_path()).map_err(|e| {
+            format!(
+                "{}: cannot tell where the opened directory is: {e}",
+                self.granted.display()
+            )
+        })?;
         if let Some(roots) = &self.within
             && !roots.iter().any(|r| config::is_within(&now, r))
         {
@@ -717,10 +721,12 @@ impl Registry {
             .iter()
             .filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v)))
             .collect();
-        let within = spec
-            .tenant
-            .as_deref()
-            .map(|t| self.tenants.get(t).map(config::Tenant::resolved_allow_dirs).unwrap_or_default());
+        let within = spec.tenant.as_deref().map(|t| {
+            self.tenants
+                .get(t)
+                .map(config::Tenant::resolved_allow_dirs)
+                .unwrap_or_default()
+        });
         // The configured grants keep the modes the config gives (an
         // operator's read-write directory); deployed grants are read-only.
         let configured = *grants == spec.config_grants;
@@ -740,7 +746,10 @@ impl Registry {
         if refused.is_empty() {
             Ok(s)
         } else {
-            Err(DeployError::Forbidden(format!("grants refused: {}", refused.join("; "))))
+            Err(DeployError::Forbidden(format!(
+                "grants refused: {}",
+                refused.join("; ")
+            )))
         }
     }
 

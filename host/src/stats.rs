@@ -191,7 +191,11 @@ impl Stats {
 
     /// The slots marked failing, with why, in order.
     pub fn failing(&self) -> Vec<(SlotKey, String)> {
-        self.failing.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        self.failing
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 }
 

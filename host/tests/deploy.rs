@@ -541,7 +541,11 @@ async fn a_failed_data_dir_write_applies_nothing_and_a_redeploy_works() {
     std::fs::write(&handlers, b"not a directory").unwrap();
     let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(ACME), v2.clone()).await;
     assert_eq!(code, 503, "a failed store is an error: {body}");
-    assert_eq!(digest_of(port, "shop").await, v1, "the registry reports the old version");
+    assert_eq!(
+        digest_of(port, "shop").await,
+        v1,
+        "the registry reports the old version"
+    );
     assert!(
         body["error"].as_str().unwrap().contains("nothing was swapped"),
         "{body}"

@@ -126,7 +126,10 @@ async fn guest_reads(node: &Node, mem: &MemoryBroker, path: &str) -> String {
         if letters.len() > before {
             return letters[before].header(header::ERROR).unwrap_or_default().to_owned();
         }
-        assert!(start.elapsed() < Duration::from_secs(30), "admin.read never dead-lettered");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "admin.read never dead-lettered"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -155,7 +158,10 @@ async fn a_directory_grant_cannot_escape_through_a_symlink() {
     // At deploy: the link under the allowed directory points out of it.
     let q = format!("/v1/handlers/shop?dir=/data:{}", tenant.join("escape").display());
     let (code, body) = http("PUT", port, &q, Some(ACME), v2.clone()).await;
-    assert_eq!(code, 403, "a grant resolving outside tenant.allow.dirs is refused: {body}");
+    assert_eq!(
+        code, 403,
+        "a grant resolving outside tenant.allow.dirs is refused: {body}"
+    );
     assert!(body["error"].as_str().unwrap().contains("resolves to"), "{body}");
     assert_eq!(common::http::current(port, Some(OPERATOR), "shop"), v1);
 
@@ -180,7 +186,10 @@ async fn a_directory_grant_cannot_escape_through_a_symlink() {
     // instances are not given it any more.
     std::fs::rename(&data, root.path().join("moved-out")).unwrap();
     let seen = guest_reads(&node, &mem, "/data/passwd").await;
-    assert!(seen.contains("denied"), "a grant now outside the allow list is withheld: {seen}");
+    assert!(
+        seen.contains("denied"),
+        "a grant now outside the allow list is withheld: {seen}"
+    );
     node.shutdown().await.unwrap();
 }
 
@@ -204,7 +213,10 @@ async fn tenant_tokens_cannot_tell_another_tenants_handler_from_none() {
         };
         let (other_code, other_body) = answer("shop").await;
         let (none_code, none_body) = answer("no-such-handler").await;
-        assert_eq!(other_code, 404, "{method}{tail} on another tenant's handler: {other_body}");
+        assert_eq!(
+            other_code, 404,
+            "{method}{tail} on another tenant's handler: {other_body}"
+        );
         assert_eq!(none_code, 404, "{method}{tail} on no handler: {none_body}");
         let strip = |b: &serde_json::Value, name: &str| b["error"].as_str().unwrap().replace(name, "NAME");
         assert_eq!(
@@ -227,12 +239,24 @@ async fn one_tenants_deploys_do_not_delay_anothers() {
     let node = start(&config(port, allow.path(), "admin_max_uploads_per_caller = 1"), &mem).await;
     let registry = node.registry();
     let held = registry.hold_queue(&Caller::Tenant("acme".into())).await;
-    let acme = tokio::spawn(http("PUT", port, "/v1/handlers/shop", Some(ACME), variant(&faulty(), "a")));
+    let acme = tokio::spawn(http(
+        "PUT",
+        port,
+        "/v1/handlers/shop",
+        Some(ACME),
+        variant(&faulty(), "a"),
+    ));
 
     let patience = Duration::from_secs(60);
     let (code, body) = tokio::time::timeout(
         patience,
-        http("PUT", port, "/v1/handlers/ledger", Some(GLOBEX), variant(&faulty(), "g")),
+        http(
+            "PUT",
+            port,
+            "/v1/handlers/ledger",
+            Some(GLOBEX),
+            variant(&faulty(), "g"),
+        ),
     )
     .await
     .expect("globex's deploy waited behind acme's queue");
@@ -372,7 +396,9 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> Option<String> {
 fn idle_slow_and_stalled_connections_are_closed() {
     let w = weir_run("admin_header_timeout = \"1s\"\nadmin_idle_timeout = \"1s\"\nadmin_body_timeout = \"3s\"");
     let port = w.port;
-    let mut idle: Vec<TcpStream> = (0..50).map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    let mut idle: Vec<TcpStream> = (0..50)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
     let mut slow: Vec<TcpStream> = (0..20)
         .map(|_| {
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -389,13 +415,22 @@ fn idle_slow_and_stalled_connections_are_closed() {
     // Generous: the timeouts are 1 s and 3 s.
     let bound = Duration::from_secs(20);
     for (i, s) in idle.iter_mut().enumerate() {
-        assert!(closed_within(s, bound).is_some(), "idle connection {i} still open after {bound:?}");
+        assert!(
+            closed_within(s, bound).is_some(),
+            "idle connection {i} still open after {bound:?}"
+        );
     }
     for (i, s) in slow.iter_mut().enumerate() {
-        assert!(closed_within(s, bound).is_some(), "slow-header connection {i} still open after {bound:?}");
+        assert!(
+            closed_within(s, bound).is_some(),
+            "slow-header connection {i} still open after {bound:?}"
+        );
     }
     let answer = closed_within(&mut stalled, bound).expect("a stalled upload is still held");
-    assert!(answer.starts_with("HTTP/1.1 408"), "a stalled upload is answered 408: {answer}");
+    assert!(
+        answer.starts_with("HTTP/1.1 408"),
+        "a stalled upload is answered 408: {answer}"
+    );
     assert!(raw_get(port, "/health").is_some(), "the listener still serves");
 }
 
@@ -406,7 +441,9 @@ fn connections_beyond_the_cap_are_closed_at_once() {
     let w = weir_run("admin_header_timeout = \"120s\"\nadmin_max_connections = 16");
     let (port, pid) = (w.port, w.child.id());
     let before = fds(pid);
-    let mut conns: Vec<TcpStream> = (0..80).map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    let mut conns: Vec<TcpStream> = (0..80)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
     let mut closed = 0;
     let mut open = Vec::new();
     for s in &mut conns {
@@ -416,7 +453,11 @@ fn connections_beyond_the_cap_are_closed_at_once() {
             open.push(s.try_clone().unwrap());
         }
     }
-    assert_eq!(open.len(), 16, "exactly admin_max_connections are held ({closed} closed)");
+    assert_eq!(
+        open.len(),
+        16,
+        "exactly admin_max_connections are held ({closed} closed)"
+    );
     let held = fds(pid);
     assert!(
         held <= before + 16 + 8,
@@ -426,7 +467,10 @@ fn connections_beyond_the_cap_are_closed_at_once() {
     drop(open);
     let start = Instant::now();
     while raw_get(port, "/health").is_none() {
-        assert!(start.elapsed() < Duration::from_secs(30), "the listener never served again");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the listener never served again"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -465,7 +509,12 @@ fn concurrent_big_uploads_are_spooled_to_disk_and_capped() {
     let spool = w.data.join("uploads");
     let spooled = || -> u64 {
         std::fs::read_dir(&spool)
-            .map(|d| d.filter_map(Result::ok).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
             .unwrap_or(0)
     };
     let start = Instant::now();
@@ -498,7 +547,10 @@ fn concurrent_big_uploads_are_spooled_to_disk_and_capped() {
     assert_eq!(after["current"], before["current"], "the running version stays");
     let start = Instant::now();
     while spooled() > 0 {
-        assert!(start.elapsed() < Duration::from_secs(30), "spooled uploads were not removed");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "spooled uploads were not removed"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -43,7 +43,9 @@ impl Proxy {
                     drop(client);
                     continue;
                 }
-                let Ok(broker) = TcpStream::connect(&upstream) else { continue };
+                let Ok(broker) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
                 for (mut from, mut to) in [
                     (client.try_clone().unwrap(), broker.try_clone().unwrap()),
                     (broker.try_clone().unwrap(), client.try_clone().unwrap()),
@@ -122,7 +124,11 @@ fn cutting_a_nodes_connection_during_a_sleeping_call_causes_no_overlap() {
     let topo = Topo::new(1, &[]);
     let proxy = Proxy::start("127.0.0.1:5672");
     let via_proxy = url().replace("127.0.0.1:5672", &format!("127.0.0.1:{}", proxy.port));
-    assert_ne!(via_proxy, url(), "the broker URL names 127.0.0.1:5672, so it can be proxied");
+    assert_ne!(
+        via_proxy,
+        url(),
+        "the broker URL names 127.0.0.1:5672, so it can be proxied"
+    );
     let mut cluster = Cluster::default();
     // A subscribes first, so it is the slot's single active consumer; its calls may run a
     // minute, so only an interruption ends its sleep early. B's end after 3 s.
@@ -161,12 +167,16 @@ fn cutting_a_nodes_connection_during_a_sleeping_call_causes_no_overlap() {
     proxy.cut_broker_side();
 
     assert!(
-        wait_for("node-b to run the message", Duration::from_secs(60), || calls_of(&cluster, "node-b") > 0),
+        wait_for("node-b to run the message", Duration::from_secs(60), || calls_of(
+            &cluster, "node-b"
+        ) > 0),
         "node-b never ran the released message; log:\n{}",
         cluster.nodes[1].log()
     );
     // Without the interruption node-a's call ends only when its 20 s sleep does.
-    wait_for("node-a's call to end", Duration::from_secs(30), || calls_of(&cluster, "node-a") > 0);
+    wait_for("node-a's call to end", Duration::from_secs(30), || {
+        calls_of(&cluster, "node-a") > 0
+    });
     let report = cluster.report();
     assert!(
         report.overlaps.is_empty(),
@@ -177,7 +187,10 @@ fn cutting_a_nodes_connection_during_a_sleeping_call_causes_no_overlap() {
         interrupted,
         "node-a's sleeping call was not interrupted within 8 s of losing its connection"
     );
-    assert!(a_ended < Duration::from_secs(8), "node-a's call ended {a_ended:?} after the cut");
+    assert!(
+        a_ended < Duration::from_secs(8),
+        "node-a's call ended {a_ended:?} after the cut"
+    );
     for node in &mut cluster.nodes {
         if node.alive() {
             node.kill();

@@ -42,7 +42,6 @@ const TYPES: [&str; 8] = [
 
 const MIB: usize = 1 << 20;
 
-
 /// A guest's failure text is cut twice over: first at the runtime seam to
 /// `node.budgets.error_bytes` (4 KiB by default, with the runtime's marker),
 /// then, if still needed, to fit the broker (the transport's marker). Either

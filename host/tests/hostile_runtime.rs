@@ -87,7 +87,10 @@ fn cancel_interrupts_a_call_sleeping_in_wasi() {
     let v = load(&rt, settings);
     let pool = WorkerPool::new(rt, 1).expect("pool starts");
     let cancel = Arc::new(AtomicBool::new(false));
-    let async_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let async_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let started = Instant::now();
     let outcomes = async_rt.block_on(async {
         let run = pool.run_each(
@@ -105,7 +108,10 @@ fn cancel_interrupts_a_call_sleeping_in_wasi() {
     let (_, outcome) = outcomes.expect("the pool answers").pop().expect("one outcome");
     let f = fault(outcome);
     assert_eq!(f.kind, FaultKind::Cancelled, "{f}");
-    assert!(took < Duration::from_secs(5), "a cancelled 60 s sleep ended after {took:?}");
+    assert!(
+        took < Duration::from_secs(5),
+        "a cancelled 60 s sleep ended after {took:?}"
+    );
 }
 
 /// Issue 15 item 5: publishes beyond the cascade byte budget are refused, the guest sees the
@@ -126,7 +132,10 @@ fn cascades_beyond_the_byte_budget_are_refused_and_the_call_rejected() {
         panic!("expected the guest's own reject, got {result:?}");
     };
     assert!(text.starts_with("published=3 refused=7"), "{text}");
-    assert!(text.contains("node.budgets.cascade_bytes"), "the guest is told the key: {text}");
+    assert!(
+        text.contains("node.budgets.cascade_bytes"),
+        "the guest is told the key: {text}"
+    );
     assert_eq!(published, 0);
 
     // A guest that ignores the refusal and answers Ok is rejected by the host.
@@ -199,7 +208,10 @@ fn a_log_flood_is_cut_to_the_calls_budget_with_one_marker_line() {
         assert!(result.is_ok());
     });
     assert!(log.len() < 4 << 10, "a 1 MiB line wrote {} bytes of log", log.len());
-    assert!(log.contains("[cut by weir: 1048576 bytes]"), "the cut line says so: {log}");
+    assert!(
+        log.contains("[cut by weir: 1048576 bytes]"),
+        "the cut line says so: {log}"
+    );
 
     let log = captured_log(|| {
         let (result, _) = done(exec.call(&v, &message("hostile.log-lines", Some("g"), b"100000"), &None));
@@ -209,7 +221,10 @@ fn a_log_flood_is_cut_to_the_calls_budget_with_one_marker_line() {
     assert!(lines <= 51, "100 000 log calls wrote {lines} lines");
     let markers = log.lines().filter(|l| l.contains("over its per-call budget")).count();
     assert_eq!(markers, 1, "one marker line per call: {log}");
-    assert!(log.contains("dropped_lines=99950"), "the marker counts the drops: {log}");
+    assert!(
+        log.contains("dropped_lines=99950"),
+        "the marker counts the drops: {log}"
+    );
     assert!(v.settings.budget.log_lines_dropped.load(Ordering::Relaxed) >= 99_950);
 
     // The next call has a fresh budget.
@@ -278,7 +293,9 @@ fn failure_texts_are_cut_to_the_error_budget() {
 #[test]
 fn a_full_pool_evicts_idle_instances_instead_of_failing_calls() {
     let rt = Runtime::new(options(2, CallBudgets::default())).expect("runtime starts");
-    let versions: Vec<_> = (0..3).map(|i| load(&rt, HandlerSettings::new(format!("h{i}")))).collect();
+    let versions: Vec<_> = (0..3)
+        .map(|i| load(&rt, HandlerSettings::new(format!("h{i}"))))
+        .collect();
     let mut a = Executor::new(rt.clone());
     for round in 0..3 {
         for v in &versions {
@@ -323,7 +340,10 @@ fn a_demoted_worker_hands_back_the_rest_of_its_job() {
     let mut items = vec![(v.clone(), message("slow", Some("g"), b"300"))];
     items.extend((0..5).map(|i| (v.clone(), message("ok", Some(&format!("lane-{i}")), b""))));
     let ids: Vec<String> = items.iter().map(|(_, m)| m.id.clone()).collect();
-    let async_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let async_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let outcomes = async_rt.block_on(pool.run_each(items, None)).expect("the pool answers");
     assert_eq!(pool.demoted(), 1, "control: the long call was demoted");
     let got: Vec<String> = outcomes.iter().map(|(m, _)| m.id.clone()).collect();
@@ -357,7 +377,10 @@ fn a_sleeping_call_gives_its_worker_place_to_a_fresh_one() {
     let v = load(&rt, settings);
     let pool = WorkerPool::new(rt, 1).expect("pool starts");
     let cancel = Arc::new(AtomicBool::new(false));
-    let async_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let async_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     async_rt.block_on(async {
         let sleeper = pool.run_each(
             vec![(v.clone(), message("hostile.sleep", Some("sleepy"), b"60000"))],
@@ -375,7 +398,10 @@ fn a_sleeping_call_gives_its_worker_place_to_a_fresh_one() {
         let (slept, other) = tokio::join!(sleeper, other);
         let other = other.expect("another lane's call ran while the only worker's call slept");
         let (_, outcome) = other.expect("the pool answers").pop().expect("one outcome");
-        assert!(matches!(outcome, CallOutcome::Done { result: Ok(()), .. }), "{outcome:?}");
+        assert!(
+            matches!(outcome, CallOutcome::Done { result: Ok(()), .. }),
+            "{outcome:?}"
+        );
         let (_, outcome) = slept.expect("the pool answers").pop().expect("one outcome");
         assert_eq!(fault(outcome).kind, FaultKind::Cancelled);
     });

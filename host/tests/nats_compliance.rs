@@ -336,7 +336,10 @@ async fn failed_capture_is_retried_until_the_dead_letter_stream_is_back() {
     .await;
     let settled = h.settled_of(&m.id);
     assert_eq!(settled[0], Outcome::RetryScheduled);
-    assert!(settled[1..settled.len() - 1].iter().all(|o| *o == Outcome::Requeued), "{settled:?}");
+    assert!(
+        settled[1..settled.len() - 1].iter().all(|o| *o == Outcome::Requeued),
+        "{settled:?}"
+    );
     let attempts: Vec<u32> = h.obs.calls.of(&m.id).iter().map(|c| c.attempt).collect();
     assert_eq!(attempts, vec![1, 2], "later deliveries only retry the capture");
     let snap = h.node().stats().snapshot();
@@ -356,7 +359,12 @@ async fn server_refuses_a_backoff_as_long_as_max_deliver() {
     transport.declare(&spec).await.unwrap();
     // Weir writes no BackOff (the host times retries and counts failures),
     // so its consumer binds; the pure check still refuses the policy.
-    drop(transport.subscribe(&topo.name, 0, 8).await.expect("no BackOff, nothing to refuse"));
+    drop(
+        transport
+            .subscribe(&topo.name, 0, 8)
+            .await
+            .expect("no BackOff, nothing to refuse"),
+    );
     let check = spec
         .retry
         .schedule(weir::retry::schedule::Redelivery::JETSTREAM)
@@ -570,11 +578,7 @@ async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
     // Caught up: the next polls see the floor moved and report no stall.
     let start = Instant::now();
     while !h.node().ack_floor().iter().all(|f| f.stalled_for.is_zero()) {
-        assert!(
-            start.elapsed() < secs(15),
-            "caught up: {:?}",
-            h.node().ack_floor()
-        );
+        assert!(start.elapsed() < secs(15), "caught up: {:?}", h.node().ack_floor());
         tokio::time::sleep(ms(50)).await;
     }
     h.shutdown().await;

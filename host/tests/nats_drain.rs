@@ -70,7 +70,9 @@ async fn node(topo: &Topo, shared: &Shared, slots: u32, ladder: &[Duration], max
         settle_observer: Some(shared.settle.clone()),
         ..NodeOptions::default()
     };
-    Node::start(&cfg, subject.transport, opts).await.expect("the node starts")
+    Node::start(&cfg, subject.transport, opts)
+        .await
+        .expect("the node starts")
 }
 
 /// Wait for `what` to hold, polling; fails after `timeout` with `why()`.
@@ -101,7 +103,9 @@ async fn ten_drains_of_held_messages_lose_nothing_and_spend_no_attempt() {
     let mut advisories = async_nats::connect(topo.url.as_str())
         .await
         .unwrap()
-        .subscribe(format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"))
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+        ))
         .await
         .unwrap();
 
@@ -128,7 +132,10 @@ async fn ten_drains_of_held_messages_lose_nothing_and_spend_no_attempt() {
         )
         .await;
         let held: usize = ids.len() - shared.obs.ledger.outcomes().len();
-        assert!(held > 4, "cycle {cycle}: messages are held at the drain ({held} unsettled)");
+        assert!(
+            held > 4,
+            "cycle {cycle}: messages are held at the drain ({held} unsettled)"
+        );
         current.shutdown().await.expect("the node drains");
         current = node(&topo, &shared, 1, &[secs(1)], 3, cycle).await;
     }
@@ -160,7 +167,11 @@ async fn ten_drains_of_held_messages_lose_nothing_and_spend_no_attempt() {
         .collect();
     assert!(dead.is_empty(), "nothing dead-lettered: {dead:?}");
     let calls = shared.obs.calls.all();
-    let late: Vec<_> = calls.iter().filter(|c| c.attempt != 1).map(|c| (&c.id, c.attempt)).collect();
+    let late: Vec<_> = calls
+        .iter()
+        .filter(|c| c.attempt != 1)
+        .map(|c| (&c.id, c.attempt))
+        .collect();
     assert!(late.is_empty(), "releases are not attempts: {late:?}");
     for (g, want) in &order {
         let mut seen: Vec<String> = Vec::new();
@@ -182,10 +193,7 @@ async fn ten_drains_of_held_messages_lose_nothing_and_spend_no_attempt() {
         "the server delivered and saw acked every message: {info:?}"
     );
     assert_eq!(info.config.max_deliver, -1, "the server never gives up on a message");
-    assert!(
-        advisories.next().now_or_never().is_none(),
-        "no MAX_DELIVERIES advisory"
-    );
+    assert!(advisories.next().now_or_never().is_none(), "no MAX_DELIVERIES advisory");
 }
 
 /// The failure count is the host's: a message released by several drains
@@ -195,7 +203,10 @@ async fn ten_drains_of_held_messages_lose_nothing_and_spend_no_attempt() {
 /// count in its provenance being larger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_counted_by_the_host_after_releases() {
-    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_test_writer().try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let topo = Topo::new();
     let shared = Shared::new();
     // A slow head holds the group's retrying message in its lane at each
@@ -207,7 +218,12 @@ async fn failures_are_counted_by_the_host_after_releases() {
         current.publish(&topo.name, m).await.unwrap();
     }
     for (cycle, head) in heads.iter().enumerate() {
-        until(secs(20), || !shared.obs.calls.of(&head.id).is_empty(), || format!("head {cycle} started")).await;
+        until(
+            secs(20),
+            || !shared.obs.calls.of(&head.id).is_empty(),
+            || format!("head {cycle} started"),
+        )
+        .await;
         current.shutdown().await.unwrap();
         current = node(&topo, &shared, 1, &[ms(500)], 3, cycle + 1).await;
     }
@@ -222,7 +238,10 @@ async fn failures_are_counted_by_the_host_after_releases() {
     assert_eq!(attempts, vec![1, 2], "the handler's attempts count failures only");
     let calls = shared.obs.calls.of(&retry.id);
     let gap = calls[1].start - calls[0].start;
-    assert!(gap + ms(50) >= ms(500) && gap < ms(1500), "the first rung timed the retry: {gap:?}");
+    assert!(
+        gap + ms(50) >= ms(500) && gap < ms(1500),
+        "the first rung timed the retry: {gap:?}"
+    );
     assert_eq!(
         shared.obs.ledger.outcomes().get(&retry.id),
         Some(&Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted))
@@ -241,7 +260,10 @@ async fn two_forwarders_keep_the_ingress_order() {
     let mut nodes = Vec::new();
     for n in 0..2 {
         let subject = Subject {
-            transport: Arc::new(Nats::new(topo.url.clone(), format!("weir forwarder {} #{n}", topo.name))),
+            transport: Arc::new(Nats::new(
+                topo.url.clone(),
+                format!("weir forwarder {} #{n}", topo.name),
+            )),
             kind: TransportKind::Nats,
             url: Some(topo.url.clone()),
         };
@@ -254,7 +276,11 @@ async fn two_forwarders_keep_the_ingress_order() {
             settle_observer: Some(shared.settle.clone()),
             ..NodeOptions::default()
         };
-        nodes.push(Node::start(&cfg, subject.transport, opts).await.expect("the node starts"));
+        nodes.push(
+            Node::start(&cfg, subject.transport, opts)
+                .await
+                .expect("the node starts"),
+        );
     }
     let js = js_at(&topo.url).await;
     let ingress = names::ingress(&topo.name);
@@ -265,7 +291,11 @@ async fn two_forwarders_keep_the_ingress_order() {
         headers.insert(header::MESSAGE_ID, format!("in-{i:04}").as_str());
         headers.insert(header::MESSAGE_TYPE, "ok");
         headers.insert(header::GROUP_ID, format!("g-{}", i % 3).as_str());
-        acks.push(js.publish_with_headers(ingress.clone(), headers, "x".into()).await.unwrap());
+        acks.push(
+            js.publish_with_headers(ingress.clone(), headers, "x".into())
+                .await
+                .unwrap(),
+        );
     }
     for a in acks {
         a.await.unwrap();

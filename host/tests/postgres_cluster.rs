@@ -437,13 +437,19 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
         env0.push((weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN, "1"));
     }
     let admin = common::http::free_port();
-    cluster.start_with_env("node-0", &config_with(topo, &db.url(), "node-0", "", Some(admin)), &env0);
+    cluster.start_with_env(
+        "node-0",
+        &config_with(topo, &db.url(), "node-0", "", Some(admin)),
+        &env0,
+    );
     wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
     let groups = groups_on(&[3, 4, 5]);
     let first: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
     publish_all(topo, &first);
     // The long calls run (two at least: a 2-core machine has two workers).
-    wait_for("node-0 runs the long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    wait_for("node-0 runs the long calls", Duration::from_secs(20), || {
+        in_flight(admin) >= 2
+    });
     cluster.start_with_env("node-1", &config(topo, &db.url(), "node-1"), &[NO_SAC]);
     let moved = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
     for s in [3, 4, 5] {
@@ -511,7 +517,10 @@ fn losing_the_database_fences_before_the_lease_expires() {
     let topo = Broker::rabbit();
     let mut cluster = Cluster::default();
     let admin = common::http::free_port();
-    cluster.start("node-0", &config_with(&topo, &db.url_via(&proxy), "node-0", "", Some(admin)));
+    cluster.start(
+        "node-0",
+        &config_with(&topo, &db.url_via(&proxy), "node-0", "", Some(admin)),
+    );
     wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
     let msgs: Vec<Envelope> = (0..400).map(|i| slow(&format!("g{}", i % 12), 40)).collect();
     let publisher = stream(&topo, msgs.clone(), Duration::from_secs(4));
@@ -615,7 +624,9 @@ fn a_draining_node_keeps_its_lease_on_nats() {
     let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
     let queued: Vec<Envelope> = (0..3).flat_map(|_| groups.iter().map(|g| slow(g, 50))).collect();
     publish_all(&topo, &long.iter().chain(&queued).cloned().collect::<Vec<_>>());
-    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || {
+        in_flight(admin) >= 2
+    });
     cluster.nodes[0].terminate(Duration::from_secs(30));
     let all: Vec<Envelope> = long.iter().chain(&queued).cloned().collect();
     let report = cluster.wait_handled(&ids(&all), Duration::from_secs(60));
@@ -625,14 +636,22 @@ fn a_draining_node_keeps_its_lease_on_nats() {
         cluster::describe(&report)
     );
     for m in &long {
-        assert_eq!(report.settled[&m.id], ("node-0".to_owned(), "handled".to_owned()), "the drain let the long call finish");
+        assert_eq!(
+            report.settled[&m.id],
+            ("node-0".to_owned(), "handled".to_owned()),
+            "the drain let the long call finish"
+        );
     }
     let leader_log = cluster.nodes[1].log() + &cluster.nodes[0].log();
     assert!(
         !leader_log.contains("nodes whose lease expired"),
         "node-0's lease expired during its drain:\n{leader_log}"
     );
-    assert!(cluster.nodes[0].log().contains("left the cluster"), "{}", cluster.nodes[0].log());
+    assert!(
+        cluster.nodes[0].log().contains("left the cluster"),
+        "{}",
+        cluster.nodes[0].log()
+    );
     cluster.nodes[1].terminate(Duration::from_secs(30));
 }
 
@@ -657,7 +676,9 @@ fn the_drain_deadline_interrupts_and_releases() {
     // Under the handler timeout (5 s): the calls end on node-1.
     let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 4500)).collect();
     publish_all(&topo, &long);
-    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || {
+        in_flight(admin) >= 2
+    });
     let stopped = Instant::now();
     cluster.nodes[0].terminate(Duration::from_secs(30));
     let journal = cluster.report();
@@ -670,9 +691,16 @@ fn the_drain_deadline_interrupts_and_releases() {
     let report = cluster.wait_handled(&ids(&long), Duration::from_secs(60));
     no_overlap(&report);
     for m in &long {
-        assert_eq!(report.settled[&m.id].0, "node-1", "the interrupted call ran again on node-1");
+        assert_eq!(
+            report.settled[&m.id].0, "node-1",
+            "the interrupted call ran again on node-1"
+        );
     }
-    let dead: Vec<&(String, String)> = report.settled.values().filter(|(_, o)| o.starts_with("dead-lettered")).collect();
+    let dead: Vec<&(String, String)> = report
+        .settled
+        .values()
+        .filter(|(_, o)| o.starts_with("dead-lettered"))
+        .collect();
     assert!(dead.is_empty(), "interrupted calls are released, not failed: {dead:?}");
     cluster.nodes[1].terminate(Duration::from_secs(60));
 }
@@ -717,7 +745,10 @@ fn churn_every_slot_has_a_live_owner_after_each_change() {
             cluster.nodes[i].terminate(Duration::from_secs(30));
             let since = Instant::now();
             wait_for(
-                &format!("change {change}: every slot owned after {victim} left: {:?}", ownerless(&db)),
+                &format!(
+                    "change {change}: every slot owned after {victim} left: {:?}",
+                    ownerless(&db)
+                ),
                 bound,
                 || ownerless(&db).is_empty(),
             );
@@ -727,7 +758,10 @@ fn churn_every_slot_has_a_live_owner_after_each_change() {
         alive.push(newcomer);
         let since = Instant::now();
         wait_for(
-            &format!("change {change}: every slot owned after the start: {:?}", ownerless(&db)),
+            &format!(
+                "change {change}: every slot owned after the start: {:?}",
+                ownerless(&db)
+            ),
             bound,
             || ownerless(&db).is_empty(),
         );
@@ -762,7 +796,10 @@ fn a_frozen_database_fences_before_the_lease_expires() {
 #[test]
 fn a_fence_after_the_lease_expired_is_measured_late() {
     let (after, by) = frozen_database(true);
-    assert!(after, "the measurement cannot see a late fence: it says {by:?} before the expiry");
+    assert!(
+        after,
+        "the measurement cannot see a late fence: it says {by:?} before the expiry"
+    );
 }
 
 /// Whether node-0 finished fencing after its lease expired (database
@@ -784,7 +821,9 @@ fn frozen_database(late: bool) -> (bool, Duration) {
     let groups = groups_on(&[0, 1]);
     let long: Vec<Envelope> = groups.iter().map(|g| slow(g, 8000)).collect();
     publish_all(&topo, &long);
-    wait_for("node-0 runs both calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    wait_for("node-0 runs both calls", Duration::from_secs(20), || {
+        in_flight(admin) >= 2
+    });
 
     pg.freeze();
     // The lease node-0 holds: no renewal passes the frozen proxy any more
@@ -806,7 +845,11 @@ fn frozen_database(late: bool) -> (bool, Duration) {
         if cluster.nodes[0].log().contains("fenced: consuming nothing") {
             break Instant::now();
         }
-        assert!(start.elapsed() < LEASE * 4, "never fenced; log:\n{}", cluster.nodes[0].log());
+        assert!(
+            start.elapsed() < LEASE * 4,
+            "never fenced; log:\n{}",
+            cluster.nodes[0].log()
+        );
         std::thread::sleep(Duration::from_millis(5));
     };
     // A renewal in flight at the freeze cannot commit: the proxy holds it.
@@ -817,8 +860,15 @@ fn frozen_database(late: bool) -> (bool, Duration) {
     assert_eq!(in_flight(admin), 0, "fencing ended every call");
     pg.forward();
     let after = fenced_at >= expires;
-    let by = if after { fenced_at - expires } else { expires - fenced_at };
-    eprintln!("fence finished {by:?} {} the lease expired (late control: {late})", if after { "after" } else { "before" });
+    let by = if after {
+        fenced_at - expires
+    } else {
+        expires - fenced_at
+    };
+    eprintln!(
+        "fence finished {by:?} {} the lease expired (late control: {late})",
+        if after { "after" } else { "before" }
+    );
     for n in &mut cluster.nodes {
         n.terminate(Duration::from_secs(30));
     }
@@ -849,14 +899,25 @@ fn after_a_fence_and_a_takeover_both_nodes_exit_on_nats() {
     let queued: Vec<Envelope> = (0..3).flat_map(|_| groups.iter().map(|g| slow(g, 50))).collect();
     let all: Vec<Envelope> = long.iter().chain(&queued).cloned().collect();
     publish_all(&topo, &all);
-    wait_for("node-0 runs both long calls", Duration::from_secs(20), || in_flight(admin) >= 2);
+    wait_for("node-0 runs both long calls", Duration::from_secs(20), || {
+        in_flight(admin) >= 2
+    });
     pg.freeze();
-    wait_for("node-0 fences", LEASE * 3, || cluster.nodes[0].log().contains("fenced: consuming nothing"));
+    wait_for("node-0 fences", LEASE * 3, || {
+        cluster.nodes[0].log().contains("fenced: consuming nothing")
+    });
     wait_balanced(&db, &cluster, &["node-1"], LEASE * 5);
     let report = cluster.wait_handled(&ids(&all), Duration::from_secs(60));
     no_overlap(&report);
-    let dead: Vec<&(String, String)> = report.settled.values().filter(|(_, o)| o.starts_with("dead-lettered")).collect();
-    assert!(dead.is_empty(), "interrupted and queued messages are released, not failed: {dead:?}");
+    let dead: Vec<&(String, String)> = report
+        .settled
+        .values()
+        .filter(|(_, o)| o.starts_with("dead-lettered"))
+        .collect();
+    assert!(
+        dead.is_empty(),
+        "interrupted and queued messages are released, not failed: {dead:?}"
+    );
     cluster.nodes[1].terminate(Duration::from_secs(20));
     pg.forward();
     cluster.nodes[0].terminate(Duration::from_secs(30));

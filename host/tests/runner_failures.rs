@@ -95,7 +95,9 @@ async fn a_panicking_job_is_caught_counted_reported_and_the_slot_restarts() {
     assert_eq!(get(admin, "/ready").0, 200, "ready before the fault");
 
     // `slow` with 0 ms is an ordinary success: only the hook makes its job panic.
-    node.publish(&topo.name, &msg("slow", "g-boom", None, b"0")).await.unwrap();
+    node.publish(&topo.name, &msg("slow", "g-boom", None, b"0"))
+        .await
+        .unwrap();
     let stats = node.stats();
     wait_for(Duration::from_secs(30), "the caught panic", || {
         stats.snapshot().runner_panics == 1
@@ -105,7 +107,10 @@ async fn a_panicking_job_is_caught_counted_reported_and_the_slot_restarts() {
     // run a while without failing.
     let (status, body) = get(admin, "/ready");
     assert_eq!(status, 503, "/ready while the slot restarts: {body}");
-    assert!(body.contains(&format!("{}/0", topo.name)), "/ready names the slot: {body}");
+    assert!(
+        body.contains(&format!("{}/0", topo.name)),
+        "/ready names the slot: {body}"
+    );
 
     // Every other message of the slot is handled, and so is the one whose
     // job panicked (redelivered once the old runner's channel closed).

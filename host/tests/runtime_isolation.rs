@@ -172,7 +172,11 @@ fn reuse_mode_discards_a_trapped_instance() {
     let mut a = Executor::new(rt.clone());
 
     assert!(answer(&mut a, &v, "ok", "").is_ok());
-    assert_eq!(live.component_instances(), 1, "control: the instance is kept after a call");
+    assert_eq!(
+        live.component_instances(),
+        1,
+        "control: the instance is kept after a call"
+    );
     let f = fault(a.call(&v, &message("trap", None, b""), &None));
     assert_eq!(f.kind, FaultKind::Trap, "{f}");
     assert_eq!(live.component_instances(), 0, "the trapped instance was discarded");

@@ -36,7 +36,14 @@ fn soak(broker: &str, seed: u64, args: &[&str]) -> Run {
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     ));
     let out = Command::new(env!("CARGO_BIN_EXE_weir-soak"))
-        .args(["--broker", broker, "--seed", &seed.to_string(), "--weir", env!("CARGO_BIN_EXE_weir")])
+        .args([
+            "--broker",
+            broker,
+            "--seed",
+            &seed.to_string(),
+            "--weir",
+            env!("CARGO_BIN_EXE_weir"),
+        ])
         .arg("--dir")
         .arg(&dir)
         .args(args)

@@ -153,14 +153,21 @@ async fn quiet_burst_beside_loops(fair: bool, loops: i64) -> u64 {
     let node = Node::start(&cfg, mem, opts).await.unwrap();
     quiet_burst(&node, 200).await; // warm-up: instances, caches
     for g in 0..4 {
-        node.publish(TOPOLOGY, &msg("loop", format!("n{g}"), "noisy")).await.unwrap();
+        node.publish(TOPOLOGY, &msg("loop", format!("n{g}"), "noisy"))
+            .await
+            .unwrap();
     }
     for g in 0..2 {
-        node.publish(TOPOLOGY, &msg("hog", format!("h{g}"), "noisy")).await.unwrap();
+        node.publish(TOPOLOGY, &msg("hog", format!("h{g}"), "noisy"))
+            .await
+            .unwrap();
     }
     let start = Instant::now();
     while watch.running.load(Ordering::SeqCst) < loops {
-        assert!(start.elapsed() < Duration::from_secs(30), "{loops} loops never ran at once");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{loops} loops never ran at once"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let burst = Instant::now();
@@ -187,10 +194,7 @@ async fn quiet_burst_beside_loops(fair: bool, loops: i64) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_looping_hogging_tenant_does_not_starve_another() {
     let ended = quiet_burst_beside_loops(true, 1).await;
-    assert_eq!(
-        ended, 0,
-        "the quiet burst had to wait for a noisy loop to time out"
-    );
+    assert_eq!(ended, 0, "the quiet burst had to wait for a noisy loop to time out");
 }
 
 /// Red baseline: without per-tenant concurrency and without demotion, two

@@ -266,7 +266,11 @@ impl Coordinator {
                 .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1), r.get::<bool, _>(2)))
                 .collect();
         // Nodes that may be given slots: live and not leaving.
-        let live: Vec<Uuid> = nodes.iter().filter(|(_, l, leaving)| *l && !*leaving).map(|(n, ..)| *n).collect();
+        let live: Vec<Uuid> = nodes
+            .iter()
+            .filter(|(_, l, leaving)| *l && !*leaving)
+            .map(|(n, ..)| *n)
+            .collect();
         let registered: HashSet<Uuid> = nodes.iter().map(|(n, ..)| *n).collect();
         // Registered, lease expired (not yet by the margin): may be fencing.
         let expiring: HashSet<Uuid> = nodes.iter().filter(|(_, l, _)| !*l).map(|(n, ..)| *n).collect();
@@ -477,11 +481,16 @@ impl Coordinator {
     /// caller has drained every slot already, or fenced).
     async fn leave(&self, id: Uuid) -> anyhow::Result<()> {
         let mut tx = self.pool.begin().await.context("leaving: begin")?;
-        sqlx::query("UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = $1")
+        sqlx::query(
+            "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = $1",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM weir_nodes WHERE node_id = $1")
             .bind(id)
             .execute(&mut *tx)
             .await?;
-        sqlx::query("DELETE FROM weir_nodes WHERE node_id = $1").bind(id).execute(&mut *tx).await?;
         sqlx::query("UPDATE weir_leader SET lease_until = now() WHERE node_id = $1")
             .bind(id)
             .execute(&mut *tx)
@@ -514,8 +523,13 @@ async fn step<T>(
     let until = fence_at.map_or(limit, |f| f.min(limit));
     match tokio::time::timeout_at(until.into(), f).await {
         Ok(r) => r,
-        Err(_) if until < limit => Err(anyhow::anyhow!("the fencing deadline came before the database answered")),
-        Err(_) => Err(anyhow::anyhow!("no answer from the database within {:?}", c.db_timeout())),
+        Err(_) if until < limit => Err(anyhow::anyhow!(
+            "the fencing deadline came before the database answered"
+        )),
+        Err(_) => Err(anyhow::anyhow!(
+            "no answer from the database within {:?}",
+            c.db_timeout()
+        )),
     }
 }
 
@@ -536,7 +550,9 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
     };
     tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
     let fence_after = if std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1") {
-        tracing::error!("{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)");
+        tracing::error!(
+            "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
+        );
         c.lease + TICK * 3
     } else {
         c.lease.saturating_sub(fence_margin(c.lease))
@@ -561,7 +577,8 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
             c.slots.interrupt_all();
         }
         if let Some(l) = &leaving {
-            let done = st.fenced || (l.marked && st.owned == 0 && st.releasing.is_empty() && c.slots.running().is_empty());
+            let done =
+                st.fenced || (l.marked && st.owned == 0 && st.releasing.is_empty() && c.slots.running().is_empty());
             if done {
                 break;
             }
@@ -639,7 +656,9 @@ pub async fn run(c: Coordinator, mut stop: watch::Receiver<bool>) -> anyhow::Res
         if let Some(l) = leaving.as_mut().filter(|l| !l.marked) {
             match step(&c, fence_at, c.mark_leaving(st.node_id)).await {
                 Ok(()) => l.marked = true,
-                Err(e) => tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying"),
+                Err(e) => {
+                    tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying")
+                }
             }
         }
         // A leaving node keeps the leadership it has (and its duties) but

@@ -31,7 +31,12 @@ pub type CancelCell = Arc<Mutex<Arc<AtomicBool>>>;
 /// What runs a slot until its stop turns true: `crate::node::supervise_slot`
 /// in a node; a test's own runner in the unit tests.
 pub type Supervisor = Arc<
-    dyn Fn(Arc<Pipeline>, SlotSettings, watch::Receiver<bool>, CancelCell) -> BoxFuture<'static, anyhow::Result<RunnerReport>>
+    dyn Fn(
+            Arc<Pipeline>,
+            SlotSettings,
+            watch::Receiver<bool>,
+            CancelCell,
+        ) -> BoxFuture<'static, anyhow::Result<RunnerReport>>
         + Send
         + Sync,
 >;
@@ -67,7 +72,8 @@ pub struct SlotSet {
 impl SlotSet {
     /// A set with nothing running; each slot runs `crate::node::supervise_slot`.
     pub fn new(pipeline: Arc<Pipeline>, templates: HashMap<String, SlotSettings>) -> Self {
-        let supervisor: Supervisor = Arc::new(|p, s, stop, cancel| Box::pin(crate::node::supervise_slot(p, s, stop, cancel)));
+        let supervisor: Supervisor =
+            Arc::new(|p, s, stop, cancel| Box::pin(crate::node::supervise_slot(p, s, stop, cancel)));
         Self::with_supervisor(pipeline, templates, supervisor)
     }
 
@@ -271,7 +277,9 @@ mod tests {
         let key: SlotKey = ("t".into(), 1);
         assert!(set.start(&key));
         assert!(
-            tokio::time::timeout(Duration::from_millis(20), set.drain(&key)).await.is_err(),
+            tokio::time::timeout(Duration::from_millis(20), set.drain(&key))
+                .await
+                .is_err(),
             "the runner is held by its running call"
         );
         assert!(set.is_running(&key), "still draining");
@@ -285,7 +293,11 @@ mod tests {
         });
         gate.add_permits(1);
         let (set, report) = again.await.unwrap();
-        assert_eq!(report.map(|r| r.received), Some(7), "the second drain waited for the runner's end");
+        assert_eq!(
+            report.map(|r| r.received),
+            Some(7),
+            "the second drain waited for the runner's end"
+        );
         assert!(!set.is_running(&key), "a drained slot leaves the set");
         assert!(set.start(&key), "and can be consumed again");
         gate.add_permits(1);
@@ -316,7 +328,11 @@ mod tests {
         });
         gate.add_permits(1);
         let reports = all.await.unwrap();
-        assert_eq!(reports.len(), 1, "fence_all waited for the slot whose release was aborted");
+        assert_eq!(
+            reports.len(),
+            1,
+            "fence_all waited for the slot whose release was aborted"
+        );
         assert!(set.running().is_empty());
     }
 }

@@ -760,8 +760,7 @@ struct Cached {
 
 /// Whether instantiation failed only because the pool has no free slot.
 fn pool_exhausted(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>())
-        || format!("{e:#}").contains("maximum concurrent")
+    e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>()) || format!("{e:#}").contains("maximum concurrent")
 }
 
 /// Remove the least recently used instance of `cache`; false when it is empty.
@@ -817,7 +816,13 @@ impl Executor {
         if evicted.is_some() {
             return true;
         }
-        let others: Vec<_> = self.runtime.caches.lock().iter().filter_map(std::sync::Weak::upgrade).collect();
+        let others: Vec<_> = self
+            .runtime
+            .caches
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
         for other in others.iter().filter(|c| !Arc::ptr_eq(c, &self.cache)) {
             let evicted = other.try_lock().and_then(|mut c| evict_lru(&mut c));
             if evicted.is_some() {
@@ -975,7 +980,13 @@ impl Executor {
                 data.settings.fuel.unwrap_or(u64::MAX)
             ),
             // The cause on the first line (what survives a cut), the backtrace after.
-            _ => err.root_cause().to_string().lines().next().unwrap_or_default().to_owned(),
+            _ => err
+                .root_cause()
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
         };
         // The guest's last words (a panic message) say more than the trap.
         if let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(512)) {

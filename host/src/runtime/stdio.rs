@@ -196,7 +196,8 @@ impl CallLog {
                 }
             }
             if c.open == Some(true) {
-                let room = (self.line_bytes - c.open_len.min(self.line_bytes)).min(self.max_bytes - c.bytes.min(self.max_bytes));
+                let room = (self.line_bytes - c.open_len.min(self.line_bytes))
+                    .min(self.max_bytes - c.bytes.min(self.max_bytes));
                 let keep = body.len().min(room);
                 out.extend_from_slice(&body[..keep]);
                 c.bytes += keep;

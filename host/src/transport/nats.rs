@@ -615,7 +615,10 @@ impl Nats {
         .map_err(|e| {
             TransportError::new(
                 ErrorKind::Connection,
-                format!("pulling from consumer {consumer_name} of stream {}: {e}", info.stream_name),
+                format!(
+                    "pulling from consumer {consumer_name} of stream {}: {e}",
+                    info.stream_name
+                ),
             )
         })?;
         // The delays of retries and deferred captures, served by delayed
@@ -870,7 +873,10 @@ impl Transport for Nats {
     async fn close(&self) {
         let conn = self.inner.conn.lock().await.clone();
         if let Some(conn) = conn
-            && let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, conn.client.flush()).await.map_err(|_| "timed out".to_owned()).and_then(|r| r.map_err(|e| e.to_string()))
+            && let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, conn.client.flush())
+                .await
+                .map_err(|_| "timed out".to_owned())
+                .and_then(|r| r.map_err(|e| e.to_string()))
         {
             tracing::warn!(messaging.system = SYSTEM, error = %e, "flushing the connection at shutdown failed; acks not yet sent are redelivered");
         }
@@ -1023,10 +1029,7 @@ impl Puller {
     ) -> Result<Self, async_nats::SubscribeError> {
         let reply = Subject::from(client.new_inbox());
         let inbox = client.subscribe(reply.clone()).await?;
-        let body = format!(
-            "{{\"batch\":{batch},\"expires\":{}}}",
-            PULL_EXPIRES.as_nanos(),
-        );
+        let body = format!("{{\"batch\":{batch},\"expires\":{}}}", PULL_EXPIRES.as_nanos(),);
         Ok(Self {
             client: client.clone(),
             inbox,
@@ -1051,7 +1054,11 @@ impl Puller {
                         self.open = None;
                     }
                 }
-                if m.reply.is_some() { Heard::Message(m) } else { Heard::Nothing }
+                if m.reply.is_some() {
+                    Heard::Message(m)
+                } else {
+                    Heard::Nothing
+                }
             }
             Some(async_nats::StatusCode::IDLE_HEARTBEAT) => Heard::Nothing,
             // The request expired, or found nothing: send another.
@@ -1061,8 +1068,7 @@ impl Puller {
             }
             Some(code) => {
                 let what = m.description.unwrap_or_default();
-                if code == async_nats::StatusCode::REQUEST_TERMINATED
-                    && !what.to_ascii_lowercase().contains("deleted")
+                if code == async_nats::StatusCode::REQUEST_TERMINATED && !what.to_ascii_lowercase().contains("deleted")
                 {
                     // Exceeded MaxWaiting or MaxBytes, a leadership change:
                     // this request is over, the consumer is not.

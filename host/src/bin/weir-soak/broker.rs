@@ -50,9 +50,17 @@ pub enum Broker {
 impl Broker {
     /// Connect to RabbitMQ at `url`.
     pub async fn rabbit(url: &str) -> anyhow::Result<Self> {
-        let conn = Connection::connect(url, ConnectionProperties::default().with_connection_name("weir-soak".into()))
-            .await
-            .with_context(|| format!("weir-soak: connecting to RabbitMQ at {}", weir::cluster::postgres::redact(url)))?;
+        let conn = Connection::connect(
+            url,
+            ConnectionProperties::default().with_connection_name("weir-soak".into()),
+        )
+        .await
+        .with_context(|| {
+            format!(
+                "weir-soak: connecting to RabbitMQ at {}",
+                weir::cluster::postgres::redact(url)
+            )
+        })?;
         let publisher = conn.create_channel().await.context("opening the publisher channel")?;
         publisher
             .confirm_select(ConfirmSelectOptions::default())
@@ -80,7 +88,13 @@ impl Broker {
     }
 
     /// Publish `body` with `headers` to `slot` of `topology` and wait for the confirm.
-    pub async fn publish(&self, topology: &str, slot: u32, headers: &[(&str, &str)], body: &[u8]) -> anyhow::Result<()> {
+    pub async fn publish(
+        &self,
+        topology: &str,
+        slot: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> anyhow::Result<()> {
         match self {
             Self::Rabbit { publisher, .. } => {
                 let mut table = FieldTable::default();
@@ -218,10 +232,20 @@ impl Broker {
             return Ok(0);
         };
         let name = nats_names::stream(topology);
-        let mut stream = js.get_stream(&name).await.with_context(|| format!("reading stream {name}"))?;
-        let state = stream.info().await.with_context(|| format!("stream info of {name}"))?.state.clone();
+        let mut stream = js
+            .get_stream(&name)
+            .await
+            .with_context(|| format!("reading stream {name}"))?;
+        let state = stream
+            .info()
+            .await
+            .with_context(|| format!("stream info of {name}"))?
+            .state
+            .clone();
         let before = ledger.lock().interval_count();
-        let last = state.last_sequence.min(state.first_sequence.saturating_add(MAX_BACKFILL));
+        let last = state
+            .last_sequence
+            .min(state.first_sequence.saturating_add(MAX_BACKFILL));
         for seq in state.first_sequence.max(1)..=last {
             match stream.get_raw_message(seq).await {
                 Ok(m) => {
@@ -279,7 +303,12 @@ impl Broker {
                 let Ok(mut stream) = js.get_stream(&name).await else {
                     return Ok(out); // never created: no dead letters
                 };
-                let state = stream.info().await.with_context(|| format!("stream info of {name}"))?.state.clone();
+                let state = stream
+                    .info()
+                    .await
+                    .with_context(|| format!("stream info of {name}"))?
+                    .state
+                    .clone();
                 if state.messages > 0 {
                     for seq in state.first_sequence.max(1)..=state.last_sequence {
                         if out.len() >= MAX_DEAD_LETTERS {
@@ -316,7 +345,10 @@ impl Broker {
                 }
             }
             Self::Nats { js, .. } => {
-                for s in [nats_names::stream(&spec.name), nats_names::dead_letter_stream(&spec.name)] {
+                for s in [
+                    nats_names::stream(&spec.name),
+                    nats_names::dead_letter_stream(&spec.name),
+                ] {
                     if let Err(e) = js.delete_stream(&s).await {
                         errors.push(format!("deleting stream {s}: {e}"));
                     }

@@ -83,7 +83,8 @@ impl Slots {
 
     fn observe(&mut self, now: Instant, slots: u32, rows: &HashMap<u32, (bool, bool)>, threshold: Duration) {
         self.owned = rows.values().filter(|(owned, _)| *owned).count();
-        self.owners.retain(|slot, _| rows.get(slot).is_some_and(|(owned, _)| *owned));
+        self.owners
+            .retain(|slot, _| rows.get(slot).is_some_and(|(owned, _)| *owned));
         for slot in 0..slots {
             let (owned, releasing) = rows.get(&slot).copied().unwrap_or((false, false));
             if releasing {

@@ -196,7 +196,10 @@ impl Ledger {
         // that starts before an earlier call of the group ended.
         let mut by_group: BTreeMap<(&str, &str), Vec<&Interval>> = BTreeMap::new();
         for i in &self.intervals {
-            by_group.entry((i.tenant.as_str(), i.group.as_str())).or_default().push(i);
+            by_group
+                .entry((i.tenant.as_str(), i.group.as_str()))
+                .or_default()
+                .push(i);
         }
         let mut overlaps = Vec::new();
         for calls in by_group.values_mut() {

@@ -269,7 +269,11 @@ fn loopback(url: &str, default_port: u16, what: &str) -> anyhow::Result<(SocketA
         .with_context(|| format!("{what}: resolving {with_port:?}"))?
         .find(|a| a.ip().is_loopback())
         .with_context(|| format!("{what} {hostport:?} is not a loopback address; the soak only uses 127.0.0.1/::1"))?;
-    let template = format!("{}{userinfo}127.0.0.1:{{port}}{}", &url[..scheme_end], &rest[auth_end..]);
+    let template = format!(
+        "{}{userinfo}127.0.0.1:{{port}}{}",
+        &url[..scheme_end],
+        &rest[auth_end..]
+    );
     Ok((addr, template))
 }
 
@@ -362,8 +366,11 @@ impl Chaos {
                 started.elapsed().as_secs_f64()
             )),
             Some(status) => {
-                self.events
-                    .say(&format!("{} exited with {status} after SIGTERM; see {}", node.name, node.log.display()));
+                self.events.say(&format!(
+                    "{} exited with {status} after SIGTERM; see {}",
+                    node.name,
+                    node.log.display()
+                ));
                 self.failed_exits.push(node.name.clone());
             }
             None => {
@@ -456,7 +463,8 @@ impl Chaos {
             }
             FaultKind::TermRestart => {
                 let i = self.pick_node();
-                self.events.say(&format!("fault sigterm-restart {}", self.nodes[i].name));
+                self.events
+                    .say(&format!("fault sigterm-restart {}", self.nodes[i].name));
                 self.terminate(i).await;
                 self.start_node().await?;
             }
@@ -472,8 +480,11 @@ impl Chaos {
             FaultKind::BrokerCut => {
                 let i = self.pick_node();
                 let d = self.secs(0.5, 5.0);
-                self.events
-                    .say(&format!("fault broker-cut {} for {:.1}s", self.nodes[i].name, d.as_secs_f64()));
+                self.events.say(&format!(
+                    "fault broker-cut {} for {:.1}s",
+                    self.nodes[i].name,
+                    d.as_secs_f64()
+                ));
                 self.nodes[i].broker.cut();
                 tokio::time::sleep(d).await;
                 self.nodes[i].broker.restore();
@@ -555,7 +566,11 @@ async fn publish_loop(
         };
         let id = weir::envelope::fresh_id();
         let slot = weir::partition::slot_for(Some(&group), &id, slots);
-        let body = if long && calls.sleep { format!("{ms} sleep") } else { ms.to_string() };
+        let body = if long && calls.sleep {
+            format!("{ms} sleep")
+        } else {
+            ms.to_string()
+        };
         let headers = [
             ("weir-message-id", id.as_str()),
             ("weir-message-type", "soak.call"),
@@ -607,9 +622,17 @@ fn progress_line(t: Duration, ledger: &Ledger, slots: &db::Slots, status: &Statu
 }
 
 async fn run(args: Args) -> anyhow::Result<bool> {
-    anyhow::ensure!(args.rate > 0.0 && args.rate <= 1000.0, "--rate {} is outside (0, 1000]", args.rate);
+    anyhow::ensure!(
+        args.rate > 0.0 && args.rate <= 1000.0,
+        "--rate {} is outside (0, 1000]",
+        args.rate
+    );
     anyhow::ensure!(args.groups >= 1, "--groups must be at least 1");
-    anyhow::ensure!((1..=1024).contains(&args.slots), "--slots {} is outside 1..=1024", args.slots);
+    anyhow::ensure!(
+        (1..=1024).contains(&args.slots),
+        "--slots {} is outside 1..=1024",
+        args.slots
+    );
     anyhow::ensure!(
         (0.0..=1.0).contains(&args.long_share),
         "--long-share {} is outside 0..1",
@@ -620,7 +643,10 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         "--nodes {} is outside {MIN_NODES}..={MAX_NODES}",
         args.nodes
     );
-    anyhow::ensure!(args.lease >= Duration::from_millis(500), "--lease must be at least 500ms");
+    anyhow::ensure!(
+        args.lease >= Duration::from_millis(500),
+        "--lease must be at least 500ms"
+    );
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -640,7 +666,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             .context("this executable has no directory (pass --weir PATH)")?
             .join("weir"),
     };
-    anyhow::ensure!(weir.is_file(), "--weir {}: no such file (pass the weir binary)", weir.display());
+    anyhow::ensure!(
+        weir.is_file(),
+        "--weir {}: no such file (pass the weir binary)",
+        weir.display()
+    );
     let component = args
         .component
         .clone()
@@ -667,7 +697,10 @@ async fn run(args: Args) -> anyhow::Result<bool> {
                 .with_context(|| format!("creating {}", dir.join("events.log").display()))?,
         ),
     });
-    eprintln!("weir-soak: seed {seed} (rerun with --seed {seed}); broker {broker_name}; run directory {}", dir.display());
+    eprintln!(
+        "weir-soak: seed {seed} (rerun with --seed {seed}); broker {broker_name}; run directory {}",
+        dir.display()
+    );
     println!("run directory: {}", dir.display());
 
     let (broker_addr, broker_template, broker_url) = match args.broker {
@@ -688,9 +721,15 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 
     let mut env = Vec::new();
     if args.negative_control == Some(NegativeControl::NoDrain) {
-        env.push((weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN.to_owned(), "1".to_owned()));
+        env.push((
+            weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN.to_owned(),
+            "1".to_owned(),
+        ));
         if args.broker == BrokerKind::Rabbitmq {
-            env.push((weir::transport::rabbitmq::NEGATIVE_CONTROL_NO_SAC.to_owned(), "1".to_owned()));
+            env.push((
+                weir::transport::rabbitmq::NEGATIVE_CONTROL_NO_SAC.to_owned(),
+                "1".to_owned(),
+            ));
         }
         events.say("NEGATIVE CONTROL no-drain: slots are given up before their drain; overlaps are expected");
     }
@@ -718,7 +757,20 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         spec
     };
 
-    let outcome = soak(&args, seed, &kinds, template, broker_addr, db_addr, &broker_url, &topology, &db_name, &dir, &events).await;
+    let outcome = soak(
+        &args,
+        seed,
+        &kinds,
+        template,
+        broker_addr,
+        db_addr,
+        &broker_url,
+        &topology,
+        &db_name,
+        &dir,
+        &events,
+    )
+    .await;
 
     // Cleanup, whatever happened.
     let cleanup = async {
@@ -785,7 +837,11 @@ async fn soak(
     for _ in 0..args.nodes {
         chaos.start_node().await?;
     }
-    anyhow::ensure!(!chaos.nodes.is_empty(), "no node started; see the logs in {}", dir.display());
+    anyhow::ensure!(
+        !chaos.nodes.is_empty(),
+        "no node started; see the logs in {}",
+        dir.display()
+    );
 
     // The soak's own view of the broker (the first node declared the topology).
     let broker = Arc::new(connect(args.broker, broker_url).await?);
@@ -818,7 +874,10 @@ async fn soak(
         tokio::time::sleep(db::POLL).await;
     }
     slots.lock().resume();
-    events.say(&format!("every slot owned; publishing and injecting faults for {:?}", args.duration));
+    events.say(&format!(
+        "every slot owned; publishing and injecting faults for {:?}",
+        args.duration
+    ));
 
     let (pub_stop_tx, pub_stop_rx) = tokio::sync::watch::channel(false);
     let publisher = tokio::spawn(publish_loop(
@@ -855,7 +914,11 @@ async fn soak(
     let faults_start = Instant::now();
     let mut fault_error = None;
     while faults_start.elapsed() < args.duration {
-        let gap = Duration::from_secs_f64(chaos.rng.random_range(args.fault_gap.0 as f64..=args.fault_gap.1 as f64));
+        let gap = Duration::from_secs_f64(
+            chaos
+                .rng
+                .random_range(args.fault_gap.0 as f64..=args.fault_gap.1 as f64),
+        );
         let left = args.duration.saturating_sub(faults_start.elapsed());
         tokio::time::sleep(gap.min(left)).await;
         if faults_start.elapsed() >= args.duration {
@@ -885,7 +948,9 @@ async fn soak(
             break;
         }
         if elapsed >= args.quiet.max(min_quiet) {
-            events.say(&format!("quiet period over: {outstanding} messages still unhandled ({dead} dead letters)"));
+            events.say(&format!(
+                "quiet period over: {outstanding} messages still unhandled ({dead} dead letters)"
+            ));
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -913,7 +978,9 @@ async fn soak(
                 chaos.failed_exits.push(name);
             }
             None => {
-                events.say(&format!("{name} did not exit within {TERM_TIMEOUT:?} of SIGTERM: killed"));
+                events.say(&format!(
+                    "{name} did not exit within {TERM_TIMEOUT:?} of SIGTERM: killed"
+                ));
                 chaos.hung.push(name);
             }
         }
@@ -963,7 +1030,10 @@ async fn soak(
         if args.negative_control.is_some() { ", NEGATIVE CONTROL no-drain" } else { "" }
     ));
     out.push_str(&format!("  published                      {}\n", v.published));
-    out.push_str(&format!("  handled                        {} ({} successful calls)\n", v.handled, v.calls));
+    out.push_str(&format!(
+        "  handled                        {} ({} successful calls)\n",
+        v.handled, v.calls
+    ));
     out.push_str(&format!("  lost                           {}\n", v.lost.len()));
     out.push_str(&format!("  intra-group overlaps           {}\n", v.overlaps.len()));
     out.push_str(&format!(
@@ -975,13 +1045,18 @@ async fn soak(
         v.dead_letters.len(),
         v.dead_reasons
     ));
-    out.push_str(&format!("  stuck slots                    {stuck} (without a live owner for more than {threshold:?})\n"));
+    out.push_str(&format!(
+        "  stuck slots                    {stuck} (without a live owner for more than {threshold:?})\n"
+    ));
     out.push_str(&format!(
         "  longest slot without an owner  {:.2}s{}\n",
         s.longest.as_secs_f64(),
         s.longest_slot.map(|x| format!(" (slot {x})")).unwrap_or_default()
     ));
-    out.push_str(&format!("  longest slot in `releasing`    {:.2}s\n", s.longest_releasing.as_secs_f64()));
+    out.push_str(&format!(
+        "  longest slot in `releasing`    {:.2}s\n",
+        s.longest_releasing.as_secs_f64()
+    ));
     out.push_str(&format!(
         "  faults                         {} ({} draws held back a fault that could spend deliveries)\n",
         faults.join(", "),
@@ -1016,10 +1091,16 @@ async fn soak(
         ));
     }
     for d in v.dead_letters.iter().take(10) {
-        out.push_str(&format!("  dead letter: {} ({}) reason {}: {}\n", d.id, d.message_type, d.reason, d.error));
+        out.push_str(&format!(
+            "  dead letter: {} ({}) reason {}: {}\n",
+            d.id, d.message_type, d.reason, d.error
+        ));
     }
     for (slot, d) in s.stuck.iter().take(10) {
-        out.push_str(&format!("  stuck: slot {slot} without an owner for {:.1}s at least\n", d.as_secs_f64()));
+        out.push_str(&format!(
+            "  stuck: slot {slot} without an owner for {:.1}s at least\n",
+            d.as_secs_f64()
+        ));
     }
     if let Some(e) = &fault_error {
         out.push_str(&format!("  the fault loop stopped early: {e:#}\n"));

@@ -110,7 +110,9 @@ impl Node {
             .with_context(|| format!("writing {}", config.display()))?;
         let log = t.dir.join(format!("{name}.log"));
         let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let err = out.try_clone().with_context(|| format!("opening {} twice", log.display()))?;
+        let err = out
+            .try_clone()
+            .with_context(|| format!("opening {} twice", log.display()))?;
         let child = Command::new(&t.weir)
             .args(["run", "--config"])
             .arg(&config)

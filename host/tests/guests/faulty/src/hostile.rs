@@ -51,7 +51,9 @@ pub fn handle(kind: &str, msg: &Message) -> Result<(), Failure> {
             if kind == "publish-ok" {
                 return Ok(());
             }
-            Err(Failure::reject(format!("published={published} refused={refused} first={first:?}")))
+            Err(Failure::reject(format!(
+                "published={published} refused={refused} first={first:?}"
+            )))
         }
         "log-bytes" => {
             let n = number(&text)?;

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 
 use weir_guest::{Failure, Handler, Message};
 
-mod hostile;
-mod witbatch;
 mod admin_hardening;
 mod bytes;
+mod hostile;
 mod soak;
+mod witbatch;
 
 /// The faulty handler.
 pub struct Faulty;

@@ -32,9 +32,11 @@ fn call(msg: &Message) -> Result<(), Failure> {
     let mut words = text.split_whitespace();
     let first = words.next().unwrap_or("");
     let sleep = words.next() == Some("sleep");
-    let ms: u64 = first
-        .parse()
-        .map_err(|e| Failure::reject(format!("soak.call: payload {text:?} does not start with milliseconds: {e}")))?;
+    let ms: u64 = first.parse().map_err(|e| {
+        Failure::reject(format!(
+            "soak.call: payload {text:?} does not start with milliseconds: {e}"
+        ))
+    })?;
     let start = now_ns();
     if sleep {
         std::thread::sleep(Duration::from_millis(ms));
