@@ -69,6 +69,12 @@ pub const NEGATIVE_CONTROL_NO_DRAIN: &str = "WEIR_NEGATIVE_CONTROL_NO_DRAIN";
 /// expired (lease + 3 ticks), so the test can show it measures lateness.
 pub const NEGATIVE_CONTROL_LATE_FENCE: &str = "WEIR_NEGATIVE_CONTROL_LATE_FENCE";
 
+/// Negative control for the stalled-leader test, never for production: with
+/// this environment variable set to `1` a node's transactions have no
+/// `idle_in_transaction_session_timeout`, so a node that stalls inside one
+/// keeps its rows locked for as long as the server keeps its session.
+pub const NEGATIVE_CONTROL_NO_TX_TIMEOUT: &str = "WEIR_NEGATIVE_CONTROL_NO_TX_TIMEOUT";
+
 /// The embedded migrations (`host/migrations`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -172,6 +178,16 @@ impl Coordinator {
         (fence_margin(self.lease) / 2).max(TICK)
     }
 
+    /// `idle_in_transaction_session_timeout` of this node's transactions, in
+    /// ms: a step's own limit (the node gave up on the step by then). `0`
+    /// (none) under [`NEGATIVE_CONTROL_NO_TX_TIMEOUT`].
+    fn idle_in_transaction(&self) -> String {
+        if std::env::var(NEGATIVE_CONTROL_NO_TX_TIMEOUT).is_ok_and(|v| v == "1") {
+            return "0".to_owned();
+        }
+        self.db_timeout().as_millis().to_string()
+    }
+
     async fn register(&self) -> anyhow::Result<Uuid> {
         let id = Uuid::now_v7();
         sqlx::query(
@@ -221,11 +237,17 @@ impl Coordinator {
     /// One leader pass, in one transaction that re-checks leadership first.
     async fn lead(&self, id: Uuid) -> anyhow::Result<()> {
         let mut tx = self.pool.begin().await.context("leader: begin")?;
-        let still =
-            sqlx::query("SELECT 1 FROM weir_leader WHERE id = 1 AND node_id = $1 AND lease_until > now() FOR UPDATE")
-                .bind(id)
-                .fetch_optional(&mut *tx)
-                .await?;
+        // The leader row locked, and the transaction bounded: a node that
+        // stalls inside it (its network, its process) is cut off by the
+        // server, which frees every row it locked for the others.
+        let still = sqlx::query(
+            "SELECT set_config('idle_in_transaction_session_timeout', $2, true) FROM weir_leader \
+             WHERE id = 1 AND node_id = $1 AND lease_until > now() FOR UPDATE",
+        )
+        .bind(id)
+        .bind(self.idle_in_transaction())
+        .fetch_optional(&mut *tx)
+        .await?;
         if still.is_none() {
             return Ok(());
         }
@@ -481,6 +503,10 @@ impl Coordinator {
     /// caller has drained every slot already, or fenced).
     async fn leave(&self, id: Uuid) -> anyhow::Result<()> {
         let mut tx = self.pool.begin().await.context("leaving: begin")?;
+        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+            .bind(self.idle_in_transaction())
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = $1",
         )
