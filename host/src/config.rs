@@ -284,20 +284,6 @@ impl Default for Budgets {
     }
 }
 
-impl Budgets {
-    /// The runtime's form of these budgets.
-    pub fn to_runtime(&self) -> crate::runtime::CallBudgets {
-        let size = |b: ByteSize| usize::try_from(b.bytes()).unwrap_or(usize::MAX);
-        crate::runtime::CallBudgets {
-            cascade_bytes: size(self.cascade_bytes),
-            log_bytes: size(self.log_bytes),
-            log_lines: self.log_lines as usize,
-            log_line_bytes: size(self.log_line_bytes),
-            error_bytes: size(self.error_bytes),
-        }
-    }
-}
-
 impl Default for Node {
     fn default() -> Self {
         Self {

@@ -5,54 +5,33 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use futures::FutureExt as _;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::admin::{self, AdminState};
-use crate::cluster::postgres::Coordinator;
-use crate::cluster::slots::{CancelCell, SlotSet};
+use crate::cluster::postgres::Member;
+use crate::cluster::slots::SlotSet;
 use crate::config::{ClusterMode, Config, TransportKind};
-use crate::envelope::{self, Envelope};
-use crate::lanes::{Pipeline, RunnerReport, SettleObserver, SlotRunner, SlotSettings};
-use crate::partition;
+use crate::dispatch::{InjectedPanic, Pipeline, RunnerReport, SlotSettings};
+use crate::envelope::Envelope;
+use crate::ingress::forward_ingress;
+use crate::observe::CallObserver;
+use crate::observe::stats::Stats;
+use crate::outcome::SettleObserver;
 use crate::registry::Registry;
-use crate::retry::capture::Outcome;
 use crate::router::Router;
 use crate::runtime::pool::WorkerPool;
-use crate::runtime::{CallObserver, Runtime, RuntimeOptions};
-use crate::stats::Stats;
+use crate::runtime::{Runtime, RuntimeOptions};
 use crate::transport::memory::MemoryBroker;
 use crate::transport::nats::Nats;
 use crate::transport::rabbitmq::RabbitMq;
-use crate::transport::{Delivery, Disposition, Subscription, TopologySpec, Transport, TransportError};
+use crate::transport::{TopologySpec, Transport, TransportError};
 
-/// Components shipped inside the `weir` binary, addressable in a config as
-/// `component = "bundled:NAME"`.
-pub mod bundled {
-    mod paths {
-        #![allow(dead_code)]
-        include!(concat!(env!("OUT_DIR"), "/guests.rs"));
-    }
-    /// The example orders handler.
-    pub const ORDERS: &[u8] = paths::ORDERS_BYTES;
-    /// The no-op handler (benchmarks).
-    pub const NOOP: &[u8] = paths::NOOP_BYTES;
-    /// Path of the test guest with faults on demand (tests only).
-    pub const FAULTY_PATH: &str = paths::FAULTY;
-
-    /// A bundled component by name.
-    pub fn get(name: &str) -> Option<&'static [u8]> {
-        match name {
-            "orders" => Some(ORDERS),
-            "noop" => Some(NOOP),
-            _ => None,
-        }
-    }
-}
+pub use crate::runtime::bundled;
+/// Publish a message through a broker to the slot of its group.
+pub use crate::transport::publish_to_slot as publish;
 
 /// Knobs that are not part of the config file (tests, demo, benchmarks).
 #[derive(Clone, Default)]
@@ -272,7 +251,7 @@ impl Node {
         let mut topologies = HashMap::new();
         let mut templates = HashMap::new();
         let inject_panic = opts.inject_panic_on.as_ref().map(|t| {
-            Arc::new(crate::lanes::InjectedPanic {
+            Arc::new(InjectedPanic {
                 message_type: t.clone(),
                 ..Default::default()
             })
@@ -345,7 +324,7 @@ impl Node {
         }
         let ready = Arc::new(AtomicBool::new(!postgres));
         let coordinator = if let Some(p) = database.clone() {
-            let c = Coordinator::new(
+            let c = Member::new(
                 p,
                 &config.node.name,
                 config.cluster.lease,
@@ -354,7 +333,7 @@ impl Node {
                 slots.clone(),
                 ready.clone(),
             );
-            Some(tokio::spawn(crate::cluster::postgres::run(c, stop_rx.clone())))
+            Some(tokio::spawn(crate::cluster::postgres::run::run(c, stop_rx.clone())))
         } else {
             None
         };
@@ -411,7 +390,7 @@ impl Node {
 
     /// The ack floor of every slot consumer this node watches (JetStream;
     /// empty on other brokers). Observe only.
-    pub fn ack_floor(&self) -> Vec<crate::floor::FloorState> {
+    pub fn ack_floor(&self) -> Vec<crate::transport::nats::floor::FloorState> {
         self.pipeline.transport.ack_floor()
     }
 
@@ -467,227 +446,5 @@ impl Node {
         // Acks published without an answer must have left before the exit.
         self.pipeline.transport.close().await;
         Ok(reports)
-    }
-}
-
-/// Publish `env` through `transport` to the slot of its group (or of its id
-/// when it has none), waiting for the broker's confirm.
-pub async fn publish(
-    transport: &dyn Transport,
-    topology: &str,
-    slots: u32,
-    env: &Envelope,
-) -> Result<(), TransportError> {
-    let slot = partition::slot_for(env.group(), &env.id, slots);
-    transport.publish(topology, slot, envelope::encode(env)).await
-}
-
-/// True once the node is stopping (stop sent, or its sender gone).
-fn stopping(stop: &watch::Receiver<bool>) -> bool {
-    *stop.borrow() || stop.has_changed().is_err()
-}
-
-/// Sleep `delay`, or less if the node stops; true when it stopped.
-async fn pause(stop: &mut watch::Receiver<bool>, delay: Duration) -> bool {
-    tokio::select! {
-        _ = tokio::time::sleep(delay) => stopping(stop),
-        changed = stop.changed() => changed.is_err() || *stop.borrow(),
-    }
-}
-
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-/// A slot marked failing counts as healthy again after its restarted runner
-/// ran this long without failing.
-const HEALTHY_AFTER: Duration = Duration::from_secs(10);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
-
-fn merge(total: &mut RunnerReport, r: RunnerReport) {
-    total.received += r.received;
-    total.released += r.released;
-    total.drained.extend(r.drained);
-}
-
-/// Run a slot until the node stops. A runner whose subscription ends without
-/// a stop (connection lost, consumer cancelled) has drained already; it is
-/// started again after a backoff, which reconnects and re-declares.
-pub(crate) async fn supervise_slot(
-    p: Arc<Pipeline>,
-    settings: SlotSettings,
-    mut stop: watch::Receiver<bool>,
-    cancel: CancelCell,
-) -> anyhow::Result<RunnerReport> {
-    let mut total = RunnerReport::default();
-    let mut backoff = BACKOFF_MIN;
-    let system = p.transport.system();
-    loop {
-        let started = Instant::now();
-        let runner = SlotRunner::new(p.clone(), settings.clone());
-        let interrupt = runner.cancel_handle();
-        *cancel.lock() = interrupt.clone();
-        let run = std::panic::AssertUnwindSafe(runner.run(stop.clone())).catch_unwind();
-        tokio::pin!(run);
-        // A slot marked failing is healthy again once its new runner has
-        // run this long without failing.
-        let mut healthy_at = p
-            .stats
-            .failing()
-            .iter()
-            .any(|((t, s), _)| **t == *settings.topology && *s == settings.slot)
-            .then(|| tokio::time::Instant::now() + HEALTHY_AFTER);
-        let result = loop {
-            tokio::select! {
-                r = &mut run => break r,
-                () = tokio::time::sleep_until(healthy_at.unwrap_or_else(tokio::time::Instant::now)), if healthy_at.is_some() => {
-                    healthy_at = None;
-                    p.stats.clear_failing(&settings.topology, settings.slot);
-                    tracing::info!(messaging.system = system, topology = %settings.topology, slot = settings.slot, "slot runner healthy again");
-                }
-            }
-        };
-        let result = match result {
-            Ok(r) => r,
-            Err(panic) => {
-                // The runner itself panicked (not one of its jobs, which it
-                // catches): interrupt whatever it had handed to a worker, so
-                // nothing of it runs beside the redelivery.
-                interrupt.store(true, std::sync::atomic::Ordering::Relaxed);
-                let text = crate::lanes::panic_text(panic.as_ref());
-                p.stats.runner_panics.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                p.stats.mark_failing(&settings.topology, settings.slot, &text);
-                tracing::error!(messaging.system = system, topology = %settings.topology, slot = settings.slot, panic = %text, "slot runner panicked; restarting it");
-                Err(anyhow::anyhow!("slot runner panicked: {text}"))
-            }
-        };
-        let error = match result {
-            Ok(r) => {
-                merge(&mut total, r);
-                None
-            }
-            Err(e) if stopping(&stop) => return Err(e),
-            Err(e) => Some(e),
-        };
-        if stopping(&stop) {
-            return Ok(total);
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            backoff = BACKOFF_MIN;
-        }
-        tracing::warn!(
-            messaging.system = system, topology = %settings.topology, slot = settings.slot,
-            error = error.map(|e| format!("{e:#}")).unwrap_or_else(|| "subscription ended".into()),
-            ?backoff, "slot runner stopped without a stop request; restarting"
-        );
-        if pause(&mut stop, backoff).await {
-            return Ok(total);
-        }
-        backoff = (backoff * 2).min(BACKOFF_MAX);
-    }
-}
-
-/// Forward the topology's ingress to the slot queues until the node stops:
-/// each message is published to the slot of its group (or of its id) through
-/// the broker, and acked once that publish is confirmed. A message that does
-/// not decode is dead-lettered `undecodable`, never dropped.
-async fn forward_ingress(
-    p: Arc<Pipeline>,
-    topology: Arc<str>,
-    slots: u32,
-    prefetch: u32,
-    mut stop: watch::Receiver<bool>,
-) -> anyhow::Result<RunnerReport> {
-    let mut total = RunnerReport::default();
-    let mut backoff = BACKOFF_MIN;
-    let system = p.transport.system();
-    while !stopping(&stop) {
-        let mut sub = match p.transport.subscribe_ingress(&topology, prefetch).await {
-            Ok(None) => return Ok(total),
-            Ok(Some(sub)) => sub,
-            Err(e) => {
-                tracing::warn!(messaging.system = system, topology = %topology, error = %e, ?backoff, "cannot consume the ingress; retrying");
-                if pause(&mut stop, backoff).await {
-                    break;
-                }
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                continue;
-            }
-        };
-        backoff = BACKOFF_MIN;
-        loop {
-            let next = tokio::select! {
-                biased;
-                changed = stop.changed() => if changed.is_err() || *stop.borrow() { break } else { continue },
-                next = sub.next() => next,
-            };
-            match next {
-                Some(Ok(d)) => {
-                    total.received += 1;
-                    if !forward_one(&p, &topology, slots, d).await && pause(&mut stop, backoff).await {
-                        break;
-                    }
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(messaging.system = system, topology = %topology, error = %e, "ingress consumer ended; resubscribing");
-                    break;
-                }
-                None => break,
-            }
-        }
-        drain_ingress(sub.as_mut(), &mut total).await;
-        sub.close().await;
-        if !stopping(&stop) && pause(&mut stop, backoff).await {
-            break;
-        }
-    }
-    Ok(total)
-}
-
-/// Release what the ingress subscription already holds, before it is dropped.
-async fn drain_ingress(sub: &mut dyn Subscription, total: &mut RunnerReport) {
-    while let Some(Ok(d)) = sub.try_next() {
-        total.released += 1;
-        let _ = d.acker.settle(Disposition::Release).await;
-    }
-}
-
-/// Forward one ingress delivery; false when it had to be returned (publish failed).
-async fn forward_one(p: &Pipeline, topology: &str, slots: u32, d: Delivery) -> bool {
-    let Delivery {
-        message,
-        source,
-        tag,
-        acker,
-    } = d;
-    let system = p.transport.system();
-    match message {
-        Ok(env) => {
-            let slot = partition::slot_for(env.group(), &env.id, slots);
-            match p.transport.publish(topology, slot, envelope::encode(&env)).await {
-                Ok(()) => {
-                    if let Err(e) = acker.settle(Disposition::Ack).await {
-                        tracing::warn!(messaging.system = system, topology, slot, tag, error = %e, "ingress ack failed after the forward was confirmed; it may be forwarded twice");
-                    }
-                    true
-                }
-                Err(e) if e.kind == crate::transport::ErrorKind::Invalid => {
-                    // It can never be forwarded (its headers do not fit the
-                    // broker's rules): returning it would loop for ever.
-                    let err = envelope::DecodeError::Unsendable(e.detail);
-                    let wire = envelope::encode(&env);
-                    let outcome = crate::lanes::capture_raw(p, topology, wire, &err, &source, tag, acker).await;
-                    !matches!(outcome, Outcome::Requeued)
-                }
-                Err(e) => {
-                    tracing::warn!(messaging.system = system, topology, slot, tag, error = %e, "forwarding an ingress message failed; returning it");
-                    if let Err(e) = acker.settle(Disposition::Release).await {
-                        tracing::warn!(messaging.system = system, topology, tag, error = %e, "release of an ingress message failed; the broker redelivers it");
-                    }
-                    false
-                }
-            }
-        }
-        Err((wire, err)) => {
-            let outcome = crate::lanes::capture_raw(p, topology, wire, &err, &source, tag, acker).await;
-            !matches!(outcome, Outcome::Requeued)
-        }
     }
 }

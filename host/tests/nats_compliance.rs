@@ -25,7 +25,7 @@ use weir::config::TransportKind;
 use weir::envelope::{self, Envelope, header};
 use weir::node::{Node, NodeOptions};
 use weir::partition;
-use weir::retry::capture::Outcome;
+use weir::outcome::Outcome;
 use weir::runtime::RuntimeOptions;
 use weir::transport::nats::{Nats, NatsOptions, names};
 use weir::transport::{TopologySpec, Transport};
@@ -186,7 +186,7 @@ async fn retry_gaps_follow_the_backoff() {
     h.publish(&m).await;
     h.wait_for(
         &m.id,
-        Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted),
+        Outcome::DeadLettered(weir::outcome::Reason::Exhausted),
         secs(30),
     )
     .await;
@@ -290,7 +290,7 @@ async fn reject_is_dead_lettered_at_once() {
     h.publish(&m).await;
     h.wait_for(
         &m.id,
-        Outcome::DeadLettered(weir::retry::capture::Reason::Rejected),
+        Outcome::DeadLettered(weir::outcome::Reason::Rejected),
         secs(20),
     )
     .await;
@@ -330,7 +330,7 @@ async fn failed_capture_is_retried_until_the_dead_letter_stream_is_back() {
     .unwrap();
     h.wait_for(
         &m.id,
-        Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted),
+        Outcome::DeadLettered(weir::outcome::Reason::Exhausted),
         secs(20),
     )
     .await;

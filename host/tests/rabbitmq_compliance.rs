@@ -20,7 +20,7 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 use weir::config::TransportKind;
 use weir::envelope::{self, Envelope, header};
 use weir::partition;
-use weir::retry::capture::Outcome;
+use weir::outcome::Outcome;
 use weir::transport::rabbitmq::{RabbitMq, names};
 
 use common::compliance::{self, Harness, Subject};

@@ -19,16 +19,13 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::lanes::{Pipeline, RunnerReport, SlotSettings};
+use crate::dispatch::supervisor::{self, CancelCell};
+use crate::dispatch::{Pipeline, RunnerReport, SlotSettings};
 
 /// (topology, slot).
 pub type SlotKey = (String, u32);
 
-/// The running runner's cancel flag; replaced each time its supervisor
-/// starts a new runner (after a connection fault).
-pub type CancelCell = Arc<Mutex<Arc<AtomicBool>>>;
-
-/// What runs a slot until its stop turns true: `crate::node::supervise_slot`
+/// What runs a slot until its stop turns true: [`supervisor::supervise_slot`]
 /// in a node; a test's own runner in the unit tests.
 pub type Supervisor = Arc<
     dyn Fn(
@@ -70,10 +67,10 @@ pub struct SlotSet {
 }
 
 impl SlotSet {
-    /// A set with nothing running; each slot runs `crate::node::supervise_slot`.
+    /// A set with nothing running; each slot runs [`supervisor::supervise_slot`].
     pub fn new(pipeline: Arc<Pipeline>, templates: HashMap<String, SlotSettings>) -> Self {
         let supervisor: Supervisor =
-            Arc::new(|p, s, stop, cancel| Box::pin(crate::node::supervise_slot(p, s, stop, cancel)));
+            Arc::new(|p, s, stop, cancel| Box::pin(supervisor::supervise_slot(p, s, stop, cancel)));
         Self::with_supervisor(pipeline, templates, supervisor)
     }
 

@@ -6,8 +6,9 @@
 //! discarded and the caller treats every message of that call as `retry`.
 //! Routing, lanes and settlement are left to others.
 
-pub mod bindings;
 mod blocking;
+pub mod bundled;
+pub mod grants;
 mod host;
 pub mod pool;
 pub mod stdio;
@@ -23,11 +24,14 @@ use sha2::Digest as _;
 use wasmtime::component::{Component, HasSelf, Linker};
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
 
-use bindings::weir::handler::types::Failure;
-use bindings::{Handler, HandlerPre, v0_1};
+/// The generated bindings, where they were before they moved to [`crate::bindings`].
+pub use crate::bindings;
+use crate::bindings::weir::handler::types::Failure;
+use crate::bindings::{Handler, HandlerPre, v0_1};
 pub use host::{HostState, Interruption, Outgoing};
 
 use crate::envelope::Envelope;
+pub use crate::observe::CallObserver;
 
 /// How often the epoch advances; the granularity of timeouts and cancellation.
 pub const EPOCH_TICK: Duration = Duration::from_millis(5);
@@ -97,6 +101,21 @@ pub struct CallBudgets {
     pub log_line_bytes: usize,
     /// Longest failure text kept (a `retry`/`reject` reason, a trap's detail).
     pub error_bytes: usize,
+}
+
+impl crate::config::Budgets {
+    /// The runtime's form of these budgets (here, not in `config`: the
+    /// runtime reads the config, never the other way round).
+    pub fn to_runtime(&self) -> CallBudgets {
+        let size = |b: crate::config::ByteSize| usize::try_from(b.bytes()).unwrap_or(usize::MAX);
+        CallBudgets {
+            cascade_bytes: size(self.cascade_bytes),
+            log_bytes: size(self.log_bytes),
+            log_lines: self.log_lines as usize,
+            log_line_bytes: size(self.log_line_bytes),
+            error_bytes: size(self.error_bytes),
+        }
+    }
 }
 
 impl Default for CallBudgets {
@@ -182,7 +201,7 @@ pub struct Preopen {
     pub read_only: bool,
     /// The directory opened when the version was loaded: each instance is
     /// given this handle (re-checked against the tenant's allow list), not `host`.
-    pub pinned: Option<Arc<crate::registry::PinnedDir>>,
+    pub pinned: Option<Arc<grants::PinnedDir>>,
 }
 
 /// WASI capabilities beyond clocks and random; all denied by default.
@@ -211,7 +230,7 @@ impl WasiGrants {
             } else {
                 wasmtime_wasi::FsPerms::ReadWrite
             };
-            let host = match p.pinned.as_deref().map(crate::registry::PinnedDir::open_path) {
+            let host = match p.pinned.as_deref().map(grants::PinnedDir::open_path) {
                 None => p.host.clone(),
                 Some(Ok(handle)) => handle,
                 Some(Err(e)) => {
@@ -261,7 +280,7 @@ pub struct HandlerSettings {
     /// Fuel one call may burn; `None`: unmetered.
     pub fuel: Option<u64>,
     /// Outcomes, call durations and calls in flight, shared by the handler's versions.
-    pub metrics: Arc<crate::stats::HandlerMetrics>,
+    pub metrics: Arc<crate::observe::stats::HandlerMetrics>,
     /// What the per-call budgets refused or cut for this handler.
     pub budget: Arc<BudgetCounters>,
 }
@@ -409,31 +428,6 @@ impl HandlerVersion {
 
     fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Relaxed)
-    }
-}
-
-/// Observes every guest call (a test ledger or the demo's overlap detector).
-pub trait CallObserver: Send + Sync {
-    /// Right before [`CallObserver::before`] (and for every member of a
-    /// batch): the version about to run `msg`, by digest.
-    fn version(&self, _msg: &Envelope, _digest: &str) {}
-    /// Right before the guest is entered for `msg`.
-    fn before(&self, msg: &Envelope);
-    /// Right after it returned, trapped or was interrupted.
-    fn after(&self, msg: &Envelope);
-    /// Right before `handle-batch` is entered for `batch` (never empty). One
-    /// call, so by default it is seen as one call of its first member (a
-    /// batch is one (tenant, group)); override to see every member.
-    fn before_batch(&self, batch: &[Envelope]) {
-        if let Some(first) = batch.first() {
-            self.before(first);
-        }
-    }
-    /// Right after `handle-batch` returned, trapped or was interrupted.
-    fn after_batch(&self, batch: &[Envelope]) {
-        if let Some(first) = batch.first() {
-            self.after(first);
-        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::retry::capture::{Outcome, Reason};
+use crate::outcome::{Outcome, Reason};
 
 /// (topology, slot).
 pub type SlotKey = (Arc<str>, u32);

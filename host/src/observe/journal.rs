@@ -8,7 +8,7 @@
 //! they share `CLOCK_MONOTONIC`. A call's interval is taken inside the
 //! lane's exclusive section (after the lane admitted it, before it settles),
 //! so two intervals of one group that intersect are two calls that ran at
-//! once — the same fact the in-process [`Ledger`](crate::ledger::Ledger)
+//! once — the same fact the in-process [`Ledger`](crate::observe::ledger::Ledger)
 //! detects with a claim.
 //!
 //! Enabled by `weir run` when the environment variable [`ENV`] names a file.
@@ -25,9 +25,9 @@ use anyhow::Context as _;
 use parking_lot::Mutex;
 
 use crate::envelope::Envelope;
-use crate::lanes::SettleObserver;
-use crate::retry::capture::Outcome;
-use crate::runtime::CallObserver;
+use crate::outcome::SettleObserver;
+use crate::outcome::Outcome;
+use super::CallObserver;
 
 /// Environment variable naming the journal file of a `weir run` process.
 pub const ENV: &str = "WEIR_JOURNAL";

@@ -1,77 +1,12 @@
 //! Dead-letter capture: publish the message with its provenance to the
 //! dead-letter destination, wait for the broker's confirm, and only then
 //! acknowledge the original. A failed capture is never followed by an ack.
+use crate::envelope::{self, DecodeError, Envelope, Wire, header};
+use crate::outcome::{Outcome, Reason};
+use crate::runtime::HandlerVersion;
+use crate::transport::{Acker, Delivery, Disposition, Transport};
 
-use crate::envelope::{self, Envelope, Wire, header};
-use crate::transport::{Acker, Disposition, Transport};
-
-/// Why a message was dead-lettered (`weir-dead-letter-reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Reason {
-    /// The handler answered `reject`.
-    Rejected,
-    /// Retryable failures used up every delivery.
-    Exhausted,
-    /// The message could not be decoded (headers missing or invalid).
-    Undecodable,
-    /// No handler is bound to its (tenant, message type).
-    NoHandler,
-    /// The last delivery ran past the handler's timeout.
-    Timeout,
-    /// The last delivery trapped.
-    Trap,
-}
-
-impl Reason {
-    /// Every reason, in a fixed order.
-    pub const ALL: [Reason; 6] = [
-        Reason::Rejected,
-        Reason::Exhausted,
-        Reason::Undecodable,
-        Reason::NoHandler,
-        Reason::Timeout,
-        Reason::Trap,
-    ];
-
-    /// The header value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Rejected => "rejected",
-            Reason::Exhausted => "exhausted",
-            Reason::Undecodable => "undecodable",
-            Reason::NoHandler => "no-handler",
-            Reason::Timeout => "timeout",
-            Reason::Trap => "trap",
-        }
-    }
-}
-
-impl std::fmt::Display for Reason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// How a delivery was settled. Each is counted and logged distinctly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Handler succeeded, cascades confirmed, acknowledged.
-    Handled,
-    /// Back onto the retry ladder.
-    RetryScheduled,
-    /// Captured on the dead-letter destination (confirmed) and acknowledged.
-    DeadLettered(Reason),
-    /// The capture failed and no delivery is left: provably nothing reached
-    /// the dead-letter destination.
-    Stranded,
-    /// The capture was confirmed but the ack's confirmation was lost: the
-    /// ack may have landed, and the message may be delivered once more.
-    Uncertain,
-    /// The capture failed; the message went back to its queue for another try.
-    Requeued,
-    /// Returned unprocessed (drain, handoff, shutdown).
-    Released,
-}
+use super::{Sink, Slot};
 
 /// Where a dead letter came from and why.
 #[derive(Debug, Clone)]
@@ -197,4 +132,67 @@ pub async fn capture(
             Outcome::Requeued
         }
     }
+}
+
+/// Dead-letter a delivery that did not decode (a no-op for one that did).
+pub async fn capture_undecodable(cx: &Slot<'_>, d: Delivery) {
+    let Delivery {
+        message,
+        source,
+        tag,
+        acker,
+    } = d;
+    let Err((wire, err)) = message else { return };
+    capture_raw(cx.sink, cx.topology, wire, &err, &source, tag, acker).await;
+}
+
+/// Dead-letter a message that did not decode (reason `undecodable`), keep
+/// its bytes and headers as received, and record the outcome under its
+/// message id (or `source#tag` when it has none).
+pub async fn capture_raw(
+    sink: Sink<'_>,
+    topology: &str,
+    wire: Wire,
+    err: &DecodeError,
+    source: &str,
+    tag: u64,
+    acker: Box<dyn Acker>,
+) -> Outcome {
+    let error = err.to_string();
+    let prov = Provenance {
+        reason: Reason::Undecodable,
+        error: &error,
+        source,
+        handler: None,
+        tag,
+    };
+    let id = wire
+        .header(header::MESSAGE_ID)
+        .map_or_else(|| format!("{source}#{tag}"), str::to_owned);
+    let outcome = capture(sink.transport, topology, Captured::Raw(wire), acker, &prov).await;
+    sink.record(&id, outcome);
+    outcome
+}
+
+/// Dead-letter a decoded message with its provenance (the one place
+/// settlement builds a [`Provenance`] for an envelope).
+#[allow(clippy::too_many_arguments)]
+pub async fn capture_envelope(
+    cx: &Slot<'_>,
+    env: &Envelope,
+    acker: Box<dyn Acker>,
+    reason: Reason,
+    error: &str,
+    source: &str,
+    handler: Option<&HandlerVersion>,
+    tag: u64,
+) -> Outcome {
+    let prov = Provenance {
+        reason,
+        error,
+        source,
+        handler: handler.map(|h| (h.name(), h.digest.as_str())),
+        tag,
+    };
+    capture(cx.sink.transport, cx.topology, Captured::Envelope(env), acker, &prov).await
 }

@@ -1,5 +1,6 @@
 //! The one `bindgen!` of the `weir:handler/handler` world (0.2.0). Everything
-//! else in the host imports its types from here.
+//! else in the host imports its types from here: the runtime its calls, the
+//! envelope its message record.
 //!
 //! [`v0_1`] links components built against `weir:handler@0.1.0`: the same
 //! types (mapped onto this module's with `with:`, so one `Message` serves

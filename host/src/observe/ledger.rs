@@ -12,9 +12,9 @@ use std::thread::ThreadId;
 use parking_lot::Mutex;
 
 use crate::envelope::Envelope;
-use crate::lanes::SettleObserver;
-use crate::retry::capture::Outcome;
-use crate::runtime::CallObserver;
+use crate::outcome::SettleObserver;
+use crate::outcome::Outcome;
+use super::CallObserver;
 
 /// Header the ledger reads a message's position within its group from.
 pub const SEQ_HEADER: &str = "weir-ledger-seq";
