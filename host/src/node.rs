@@ -1,6 +1,9 @@
-//! One `weir` node: loads the handlers of a [`Config`], declares the
-//! topologies, decides which slots it owns, runs a [`SlotRunner`] per owned
-//! slot, and on [`Node::shutdown`] drains every runner before returning.
+//! The composition root: one `weir` node, wired from a [`Config`]. It starts
+//! the engine, binds the handlers, loads their versions, declares the
+//! topologies, forwards their ingress, lets the [`Coordinator`] of its
+//! cluster mode decide which slots it runs, serves the admin listener, and
+//! on [`Node::shutdown`] drains every slot before returning. It owns no
+//! logic of its own beyond that order; no other module imports it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,18 +13,20 @@ use anyhow::{Context as _, bail};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
+use sqlx::PgPool;
+
 use crate::admin::{self, AdminState};
-use crate::cluster::postgres::Member;
-use crate::cluster::slots::SlotSet;
+use crate::cluster::slots::{SlotKey, SlotSet};
+use crate::cluster::{self, Coordinator, Start};
 use crate::config::{ClusterMode, Config, TransportKind};
-use crate::dispatch::{InjectedPanic, Pipeline, RunnerReport, SlotSettings};
+use crate::dispatch::{InjectedPanic, Pipeline, RunnerReport, TopologySettings};
 use crate::envelope::Envelope;
 use crate::ingress::forward_ingress;
 use crate::observe::CallObserver;
 use crate::observe::stats::Stats;
 use crate::outcome::SettleObserver;
 use crate::registry::Registry;
-use crate::router::Router;
+use crate::router::{BatchRule, Router};
 use crate::runtime::pool::WorkerPool;
 use crate::runtime::{Runtime, RuntimeOptions};
 use crate::transport::memory::MemoryBroker;
@@ -64,8 +69,8 @@ pub struct Node {
     stop: watch::Sender<bool>,
     /// The slots this node runs now.
     slots: Arc<SlotSet>,
-    /// The coordinator loop (`postgres` mode): it drains the slots and
-    /// leaves the cluster when `stop` turns true.
+    /// The coordinator's loop, if its mode has one (`postgres`): it drains
+    /// the slots and leaves the cluster when `stop` turns true.
     coordinator: Option<JoinHandle<anyhow::Result<()>>>,
     /// The admin listener, when configured; stops with `stop`.
     admin: Option<JoinHandle<()>>,
@@ -162,181 +167,216 @@ async fn check_schedule_with_broker(config: &Config, index: usize, transport: &d
     Ok(())
 }
 
+/// The engine options a config asks for: memory and stack of its largest
+/// handler, fuel only when a limit asks for it, the cache under the data
+/// directory, the call budgets and the instance pool.
+fn runtime_options(config: &Config, opts: &NodeOptions) -> RuntimeOptions {
+    let mut rt_opts = opts.runtime.clone();
+    let largest = config
+        .handler
+        .iter()
+        .map(|h| h.limits.memory.bytes())
+        .max()
+        .unwrap_or(0);
+    rt_opts.max_memory = rt_opts.max_memory.max(usize::try_from(largest).unwrap_or(usize::MAX));
+    // The Wasm stack limit is engine-wide: the largest any handler asks for.
+    if let Some(stack) = config
+        .handler
+        .iter()
+        .filter_map(|h| h.limits.max_stack)
+        .map(|b| b.bytes())
+        .max()
+    {
+        rt_opts.max_wasm_stack = usize::try_from(stack).unwrap_or(usize::MAX);
+    }
+    // Fuel metering costs every call a little: on only when asked for.
+    rt_opts.fuel |= config.handler.iter().any(|h| h.limits.fuel.is_some())
+        || config.tenant.iter().any(|t| t.limits.fuel.is_some());
+    if rt_opts.cache_dir.is_none() {
+        rt_opts.cache_dir = config.node.data_dir.as_ref().map(|d| d.join("cache"));
+    }
+    rt_opts.budgets = config.node.budgets.to_runtime();
+    rt_opts.pool_instances = match config.node.instance_pool {
+        Some(n) => n,
+        None => rt_opts
+            .pool_instances
+            .max(crate::runtime::pool_size_for(opts.workers, config.handler.len())),
+    };
+    rt_opts
+}
+
+/// Start the engine.
+fn start_runtime(config: &Config, opts: &NodeOptions) -> anyhow::Result<Arc<Runtime>> {
+    let rt_opts = runtime_options(config, opts);
+    Ok(match opts.call_observer.clone() {
+        Some(o) => Runtime::with_observer(rt_opts, o)?,
+        None => Runtime::new(rt_opts)?,
+    })
+}
+
+/// Bind every handler's message types (and batch rules) in a router.
+fn bind_handlers(config: &Config) -> anyhow::Result<Router> {
+    let mut router = Router::new();
+    for (i, h) in config.handler.iter().enumerate() {
+        let types = h
+            .message_types
+            .iter()
+            .chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
+        for t in types {
+            if let Some(prev) = router.bind(&h.topology, h.tenant.as_deref(), t, &h.name)
+                && prev != h.name
+            {
+                bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
+            }
+        }
+        if let Some(b) = &h.batch {
+            let rule = BatchRule {
+                handler: Arc::from(h.name.as_str()),
+                size: b.size as usize,
+                linger: b.linger,
+            };
+            router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
+        }
+    }
+    Ok(router)
+}
+
+/// The coordinator database (`postgres` mode): connected and migrated.
+async fn connect_database(config: &Config) -> anyhow::Result<Option<PgPool>> {
+    if config.cluster.mode != ClusterMode::Postgres {
+        return Ok(None);
+    }
+    let url = config.cluster.database_url.as_deref().unwrap_or_default();
+    let pool = crate::cluster::postgres::connect(url)
+        .await
+        .with_context(|| format!("{}: cluster.mode = \"postgres\"", config.origin))?;
+    Ok(Some(pool))
+}
+
+/// Check every topology's retry schedule against the broker and declare it;
+/// the slot count of each, by name.
+async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
+    let mut topologies = HashMap::new();
+    for (ti, t) in config.topology.iter().enumerate() {
+        check_schedule_with_broker(config, ti, transport).await?;
+        transport
+            .declare(&TopologySpec {
+                name: t.name.clone(),
+                slots: t.slots,
+                retry: t.retry_policy(config.transport.kind),
+            })
+            .await
+            .with_context(|| format!("declaring topology[{ti}] `{}` on {}", t.name, transport.system()))?;
+        topologies.insert(t.name.clone(), t.slots);
+    }
+    Ok(topologies)
+}
+
+/// How the slots of each topology run.
+fn topology_settings(config: &Config, opts: &NodeOptions) -> HashMap<String, TopologySettings> {
+    let inject_panic = opts.inject_panic_on.as_ref().map(|t| {
+        Arc::new(InjectedPanic {
+            message_type: t.clone(),
+            ..Default::default()
+        })
+    });
+    config
+        .topology
+        .iter()
+        .map(|t| {
+            let settings = TopologySettings {
+                topology: Arc::from(t.name.as_str()),
+                slots: t.slots,
+                max_concurrent_groups: t.max_concurrent_groups as usize,
+                max_unordered: t.max_unordered as usize,
+                prefetch: config.transport.prefetch,
+                max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
+                schedule: t.schedule(config.transport.kind, None),
+                bypass_lanes: opts.bypass_lanes,
+                bypass_batch_lanes: opts.bypass_batch_lanes,
+                inject_panic: inject_panic.clone(),
+            };
+            (t.name.clone(), settings)
+        })
+        .collect()
+}
+
+/// Forward every topology's ingress to its slot queues, one forwarder each.
+fn forward_ingresses(
+    config: &Config,
+    pipeline: &Arc<Pipeline>,
+    stop: &watch::Receiver<bool>,
+) -> JoinSet<anyhow::Result<RunnerReport>> {
+    let mut forwarders = JoinSet::new();
+    for t in &config.topology {
+        forwarders.spawn(forward_ingress(
+            pipeline.clone(),
+            Arc::from(t.name.as_str()),
+            t.slots,
+            config.transport.prefetch,
+            stop.clone(),
+        ));
+    }
+    forwarders
+}
+
+/// Start the slots the coordinator gives this node from the start; their number.
+fn start_initial_slots(config: &Config, coordinator: &dyn Coordinator, slots: &SlotSet) -> usize {
+    let mut started = 0;
+    for t in &config.topology {
+        for slot in coordinator.initial_slots(t.slots) {
+            slots.start(&(t.name.clone(), slot));
+            started += 1;
+        }
+    }
+    started
+}
+
+/// Every (topology, slot) of the config, in order.
+fn all_slots(config: &Config) -> Vec<SlotKey> {
+    config
+        .topology
+        .iter()
+        .flat_map(|t| (0..t.slots).map(|slot| (t.name.clone(), slot)))
+        .collect()
+}
+
+/// Follow the cluster's deploys, and watch the components directory.
+fn follow_registry(config: &Config, registry: &Arc<Registry>, stop: &watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+    let mut followers: Vec<JoinHandle<()>> = registry.follow(stop.clone()).into_iter().collect();
+    if let Some(dir) = &config.node.components_dir {
+        followers.push(registry.watch(dir.clone(), stop.clone()));
+    }
+    followers
+}
+
 impl Node {
     /// Load handlers, declare topologies, and start consuming the owned slots.
     pub async fn start(config: &Config, transport: Arc<dyn Transport>, opts: NodeOptions) -> anyhow::Result<Self> {
-        let mut rt_opts = opts.runtime.clone();
-        let largest = config
-            .handler
-            .iter()
-            .map(|h| h.limits.memory.bytes())
-            .max()
-            .unwrap_or(0);
-        rt_opts.max_memory = rt_opts.max_memory.max(usize::try_from(largest).unwrap_or(usize::MAX));
-        // The Wasm stack limit is engine-wide: the largest any handler asks for.
-        if let Some(stack) = config
-            .handler
-            .iter()
-            .filter_map(|h| h.limits.max_stack)
-            .map(|b| b.bytes())
-            .max()
-        {
-            rt_opts.max_wasm_stack = usize::try_from(stack).unwrap_or(usize::MAX);
-        }
-        // Fuel metering costs every call a little: on only when asked for.
-        rt_opts.fuel |= config.handler.iter().any(|h| h.limits.fuel.is_some())
-            || config.tenant.iter().any(|t| t.limits.fuel.is_some());
-        if rt_opts.cache_dir.is_none() {
-            rt_opts.cache_dir = config.node.data_dir.as_ref().map(|d| d.join("cache"));
-        }
-        rt_opts.budgets = config.node.budgets.to_runtime();
-        rt_opts.pool_instances = match config.node.instance_pool {
-            Some(n) => n,
-            None => rt_opts
-                .pool_instances
-                .max(crate::runtime::pool_size_for(opts.workers, config.handler.len())),
-        };
-        let runtime = match opts.call_observer.clone() {
-            Some(o) => Runtime::with_observer(rt_opts, o)?,
-            None => Runtime::new(rt_opts)?,
-        };
-
-        let mut router = Router::new();
-        for (i, h) in config.handler.iter().enumerate() {
-            let types = h
-                .message_types
-                .iter()
-                .chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
-            for t in types {
-                if let Some(prev) = router.bind(&h.topology, h.tenant.as_deref(), t, &h.name)
-                    && prev != h.name
-                {
-                    bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
-                }
-            }
-            if let Some(b) = &h.batch {
-                let rule = crate::router::BatchRule {
-                    handler: Arc::from(h.name.as_str()),
-                    size: b.size as usize,
-                    linger: b.linger,
-                };
-                router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
-            }
-        }
-        let router = Arc::new(router);
-        let postgres = config.cluster.mode == ClusterMode::Postgres;
-        let database = if postgres {
-            let url = config.cluster.database_url.as_deref().unwrap_or_default();
-            Some(
-                crate::cluster::postgres::connect(url)
-                    .await
-                    .with_context(|| format!("{}: cluster.mode = \"postgres\"", config.origin))?,
-            )
-        } else {
-            None
-        };
+        let runtime = start_runtime(config, &opts)?;
+        let router = Arc::new(bind_handlers(config)?);
+        let database = connect_database(config).await?;
         let registry = Registry::start(config, runtime.clone(), router.clone(), database.clone()).await?;
-
-        let pool = Arc::new(WorkerPool::new(runtime, opts.workers)?);
         let pipeline = Arc::new(Pipeline {
             transport: transport.clone(),
-            pool,
+            pool: Arc::new(WorkerPool::new(runtime, opts.workers)?),
             router,
             stats: Arc::new(Stats::default()),
             observer: opts.settle_observer.clone(),
         });
-
+        let coordinator = cluster::coordinator(config, database)?;
+        let topologies = declare_topologies(config, transport.as_ref()).await?;
         let (stop, stop_rx) = watch::channel(false);
-        let mut forwarders = JoinSet::new();
-        let mut topologies = HashMap::new();
-        let mut templates = HashMap::new();
-        let inject_panic = opts.inject_panic_on.as_ref().map(|t| {
-            Arc::new(InjectedPanic {
-                message_type: t.clone(),
-                ..Default::default()
-            })
+        let forwarders = forward_ingresses(config, &pipeline, &stop_rx);
+        let slots = Arc::new(SlotSet::new(pipeline.clone(), topology_settings(config, &opts)));
+        let started = start_initial_slots(config, coordinator.as_ref(), &slots);
+        let ready = Arc::new(AtomicBool::new(coordinator.ready_at_start()));
+        let coordinating = coordinator.start(Start {
+            slots: slots.clone(),
+            all: all_slots(config),
+            ready: ready.clone(),
+            stop: stop_rx.clone(),
         });
-        let mut owned = Vec::new();
-        let mut all_slots = Vec::new();
-        for (ti, t) in config.topology.iter().enumerate() {
-            check_schedule_with_broker(config, ti, transport.as_ref()).await?;
-            transport
-                .declare(&TopologySpec {
-                    name: t.name.clone(),
-                    slots: t.slots,
-                    retry: t.retry_policy(config.transport.kind),
-                })
-                .await
-                .with_context(|| format!("declaring topology[{ti}] `{}` on {}", t.name, transport.system()))?;
-            topologies.insert(t.name.clone(), t.slots);
-            let slots: Vec<u32> = match config.cluster.mode {
-                ClusterMode::Solo => (0..t.slots).collect(),
-                ClusterMode::Static => config
-                    .cluster
-                    .owned_slots
-                    .iter()
-                    .flatten()
-                    .copied()
-                    .filter(|s| *s < t.slots)
-                    .collect(),
-                // Every node subscribes to every slot; each slot queue has a
-                // single active consumer, so the broker picks one node per
-                // slot and activates another when that one goes away.
-                ClusterMode::RabbitmqSac => (0..t.slots).collect(),
-                // The coordinator starts slots as it is assigned them.
-                ClusterMode::Postgres => Vec::new(),
-            };
-            let schedule = t.schedule(config.transport.kind, None);
-            templates.insert(
-                t.name.clone(),
-                SlotSettings {
-                    topology: Arc::from(t.name.as_str()),
-                    slot: 0,
-                    counters: Arc::default(),
-                    slots: t.slots,
-                    max_concurrent_groups: t.max_concurrent_groups as usize,
-                    max_unordered: t.max_unordered as usize,
-                    prefetch: config.transport.prefetch,
-                    max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
-                    schedule,
-                    bypass_lanes: opts.bypass_lanes,
-                    bypass_batch_lanes: opts.bypass_batch_lanes,
-                    inject_panic: inject_panic.clone(),
-                },
-            );
-            owned.extend(slots.into_iter().map(|slot| (t.name.clone(), slot)));
-            all_slots.extend((0..t.slots).map(|slot| (t.name.clone(), slot)));
-            // Every node forwards the ingress, in order: the RabbitMQ queue
-            // has a single active consumer, and the JetStream consumer hands
-            // out one unacknowledged message at a time (transport::nats,
-            // "Ingress"), so forwarders on several nodes never reorder it.
-            forwarders.spawn(forward_ingress(
-                pipeline.clone(),
-                Arc::from(t.name.as_str()),
-                t.slots,
-                config.transport.prefetch,
-                stop_rx.clone(),
-            ));
-        }
-        let slots = Arc::new(SlotSet::new(pipeline.clone(), templates));
-        for key in &owned {
-            slots.start(key);
-        }
-        let ready = Arc::new(AtomicBool::new(!postgres));
-        let coordinator = if let Some(p) = database.clone() {
-            let c = Member::new(
-                p,
-                &config.node.name,
-                config.cluster.lease,
-                config.cluster.drain_deadline(),
-                all_slots,
-                slots.clone(),
-                ready.clone(),
-            );
-            Some(tokio::spawn(crate::cluster::postgres::run::run(c, stop_rx.clone())))
-        } else {
-            None
-        };
         let admin = match config.node.admin {
             Some(addr) => {
                 let state = Arc::new(AdminState {
@@ -344,7 +384,7 @@ impl Node {
                     stats: pipeline.stats.clone(),
                     slots: slots.clone(),
                     transport: transport.clone(),
-                    coordinator: database.clone(),
+                    coordinator,
                     ready: ready.clone(),
                     registry: registry.clone(),
                     auth: admin::Auth::from_config(config),
@@ -354,16 +394,13 @@ impl Node {
             }
             None => None,
         };
-        let mut followers: Vec<JoinHandle<()>> = registry.follow(stop_rx.clone()).into_iter().collect();
-        if let Some(dir) = &config.node.components_dir {
-            followers.push(registry.watch(dir.clone(), stop_rx.clone()));
-        }
-        tracing::info!(node = %config.node.name, slots = owned.len(), mode = ?config.cluster.mode, transport = transport.system(), "node started");
+        let followers = follow_registry(config, &registry, &stop_rx);
+        tracing::info!(node = %config.node.name, slots = started, mode = ?config.cluster.mode, transport = transport.system(), "node started");
         Ok(Self {
             pipeline,
             stop,
             slots,
-            coordinator,
+            coordinator: coordinating,
             admin,
             ready,
             forwarders,
@@ -410,7 +447,7 @@ impl Node {
     pub async fn shutdown(mut self) -> anyhow::Result<Vec<RunnerReport>> {
         self.ready.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = self.stop.send(true);
-        // The coordinator drains its slots before it gives them up (it
+        // A coordinator loop drains its slots before it gives them up (it
         // interrupts what still runs at `cluster.drain_deadline`, and gives
         // up on a drain a lease later: then the slots are not waited for).
         let mut gave_up = false;

@@ -37,8 +37,8 @@ pub(super) async fn ready(State(s): State<Arc<AdminState>>) -> Response {
 /// The slots as `weir status --json` shows them: the coordinator's view in
 /// `postgres` mode, else this node's own slots; lag from the broker.
 pub async fn slot_status(s: &AdminState) -> anyhow::Result<Status> {
-    let mut status = match &s.coordinator {
-        Some(pool) => crate::cluster::postgres::status::status(pool).await?,
+    let mut status = match s.coordinator.status().await? {
+        Some(status) => status,
         None => Status {
             nodes: Vec::new(),
             slots: s

@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::auth::Auth;
 use super::limits::Limits;
+use crate::cluster::coordinator::Coordinator;
 use crate::cluster::slots::SlotSet;
 use crate::observe::stats::Stats;
 use crate::transport::Transport;
@@ -19,8 +20,8 @@ pub struct AdminState {
     pub slots: Arc<SlotSet>,
     /// The broker (lag per slot, ack floors).
     pub transport: Arc<dyn Transport>,
-    /// The coordinator database, in `postgres` mode.
-    pub coordinator: Option<sqlx::PgPool>,
+    /// Who decides which slots this node runs (the cluster's view, if any).
+    pub coordinator: Arc<dyn Coordinator>,
     /// False while the node cannot take work (starting, fenced, stopping).
     pub ready: Arc<AtomicBool>,
     /// Handler versions.

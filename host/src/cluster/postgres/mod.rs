@@ -44,7 +44,8 @@
 //! The files: [`lease`] (register, renew, leave), [`leader`] (the leader
 //! pass), [`handoff`] (start, drain and release this node's slots, fence),
 //! [`listen`] (NOTIFY wake-ups), [`status`] (the registry as `weir status`
-//! shows it), [`run`] (the loop).
+//! shows it), [`run`] (the loop, and the [`crate::cluster::Coordinator`]
+//! of this mode).
 
 pub mod handoff;
 pub mod leader;

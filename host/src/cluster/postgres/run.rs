@@ -2,13 +2,70 @@
 //! [`super`]): renew, fence, lead, reconcile every tick; leave on stop.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
+use sqlx::PgPool;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use super::handoff::{fence, fence_all};
 use super::listen::Wakeups;
 use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, TICK, Tick, bounded, fence_margin, step};
+use crate::cluster::coordinator::{Coordinator, Start};
+use crate::cluster::status::Status;
+use crate::config::Config;
+
+/// `cluster.mode = "postgres"`: slots are assigned by the coordinator
+/// database; nothing runs until this node is given some.
+pub struct Postgres {
+    pool: PgPool,
+    name: String,
+    lease: Duration,
+    drain_deadline: Duration,
+}
+
+impl Postgres {
+    /// This node's membership over `pool` (connected and migrated).
+    pub fn new(pool: PgPool, config: &Config) -> Self {
+        Self {
+            pool,
+            name: config.node.name.clone(),
+            lease: config.cluster.lease,
+            drain_deadline: config.cluster.drain_deadline(),
+        }
+    }
+}
+
+#[async_trait]
+impl Coordinator for Postgres {
+    /// The coordinator starts slots as it is assigned them.
+    fn initial_slots(&self, _slots: u32) -> Vec<u32> {
+        Vec::new()
+    }
+
+    /// Ready once the lease is renewed.
+    fn ready_at_start(&self) -> bool {
+        false
+    }
+
+    fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
+        let member = Member::new(
+            self.pool.clone(),
+            &self.name,
+            self.lease,
+            self.drain_deadline,
+            start.all,
+            start.slots,
+            start.ready,
+        );
+        Some(tokio::spawn(run(member, start.stop)))
+    }
+
+    async fn status(&self) -> anyhow::Result<Option<Status>> {
+        super::status::status(&self.pool).await.map(Some)
+    }
+}
 
 /// Where a node is in its leaving sequence (after `stop`).
 struct Leaving {
