@@ -10,8 +10,8 @@ use clap::{Parser, Subcommand};
 use weir::cluster::postgres;
 use weir::config;
 use weir::demo::{self, DemoOptions};
-use weir::observe::journal::{self, Journal};
 use weir::node::{self, Node, NodeOptions};
+use weir::observe::journal::{self, Journal};
 
 mod deploy;
 mod publish;

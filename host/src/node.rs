@@ -190,8 +190,8 @@ fn runtime_options(config: &Config, opts: &NodeOptions) -> RuntimeOptions {
         rt_opts.max_wasm_stack = usize::try_from(stack).unwrap_or(usize::MAX);
     }
     // Fuel metering costs every call a little: on only when asked for.
-    rt_opts.fuel |= config.handler.iter().any(|h| h.limits.fuel.is_some())
-        || config.tenant.iter().any(|t| t.limits.fuel.is_some());
+    rt_opts.fuel |=
+        config.handler.iter().any(|h| h.limits.fuel.is_some()) || config.tenant.iter().any(|t| t.limits.fuel.is_some());
     if rt_opts.cache_dir.is_none() {
         rt_opts.cache_dir = config.node.data_dir.as_ref().map(|d| d.join("cache"));
     }

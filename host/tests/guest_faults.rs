@@ -16,12 +16,12 @@ use parking_lot::Mutex;
 use sha2::Digest as _;
 use weir::config::{self, ByteSize, Config, RetrySection};
 use weir::envelope::{self, Envelope, Wire, header};
-use weir::outcome::SettleObserver;
 use weir::node::{self, Node, NodeOptions};
-use weir::partition;
-use weir::outcome::{Outcome, Reason};
-use weir::runtime::RuntimeOptions;
 use weir::observe::stats::{Snapshot, Stats};
+use weir::outcome::SettleObserver;
+use weir::outcome::{Outcome, Reason};
+use weir::partition;
+use weir::runtime::RuntimeOptions;
 use weir::transport::Transport;
 use weir::transport::memory::MemoryBroker;
 

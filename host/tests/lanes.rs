@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use weir::config::{self, Config, RetrySection};
-use weir::envelope::{self, Envelope, Wire};
 use weir::dispatch::LaneKind;
-use weir::observe::ledger::{Ledger, SEQ_HEADER};
+use weir::envelope::{self, Envelope, Wire};
 use weir::node::{Node, NodeOptions, bundled};
+use weir::observe::ledger::{Ledger, SEQ_HEADER};
 use weir::outcome::{Outcome, Reason};
 use weir::runtime::CallObserver;
 use weir::transport::Transport;

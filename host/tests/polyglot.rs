@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use weir::config::{self, Config, RetrySection};
 use weir::envelope::{self, Envelope, header};
-use weir::outcome::SettleObserver;
-use weir::observe::ledger::Ledger;
 use weir::node::{Node, NodeOptions, bundled};
+use weir::observe::ledger::Ledger;
+use weir::outcome::SettleObserver;
 use weir::outcome::{Outcome, Reason};
 use weir::runtime::bindings::weir::handler::types::Failure;
 use weir::runtime::{

@@ -14,9 +14,9 @@ use prometheus_client::registry::Registry as Metrics;
 use super::state::AdminState;
 use crate::cluster::slots::SlotSet;
 use crate::observe::stats::Stats;
+use crate::outcome::Reason;
 use crate::registry::Caller;
 use crate::transport::Transport;
-use crate::outcome::Reason;
 
 pub(super) async fn metrics(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
     if let Err(d) = s.auth.operator(&headers) {

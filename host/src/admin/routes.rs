@@ -89,7 +89,11 @@ pub(super) async fn handlers(State(s): State<Arc<AdminState>>, headers: HeaderMa
     }
 }
 
-pub(super) async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<String>, headers: HeaderMap) -> Response {
+pub(super) async fn handler(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Response {
     let caller = match s.auth.reader(&headers) {
         Ok(c) => c,
         Err(d) => return d.into_response(),
@@ -102,7 +106,6 @@ pub(super) async fn handler(State(s): State<Arc<AdminState>>, Path(name): Path<S
         None => deploy_error(DeployError::UnknownHandler(name)),
     }
 }
-
 
 /// `?env=NAME&dir=GUEST:HOST`, repeatable; `None` when neither is given.
 fn parse_grants(query: Option<&str>) -> Result<Option<Grants>, String> {
@@ -200,7 +203,11 @@ pub(super) async fn deploy(
 
 /// `response`, and close the connection after it (the rest of a request
 /// body is not read).
-pub(super) async fn rollback(State(s): State<Arc<AdminState>>, Path(name): Path<String>, headers: HeaderMap) -> Response {
+pub(super) async fn rollback(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Response {
     let caller = match s.auth.writer(&headers) {
         Ok(c) => c,
         Err(d) => return d.into_response(),

@@ -9,8 +9,8 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt as _;
 use tokio::io::AsyncWriteExt as _;
 
-use super::limits::Limits;
 use super::error::{deploy_error, error_body};
+use super::limits::Limits;
 use crate::registry::DeployError;
 
 /// An upload spooled to a file, removed when dropped.

@@ -36,7 +36,8 @@ pub fn coordinator(config: &Config, database: Option<PgPool>) -> anyhow::Result<
         }),
         ClusterMode::RabbitmqSac => Arc::new(sac::SingleActiveConsumer),
         ClusterMode::Postgres => {
-            let pool = database.with_context(|| format!("{}: cluster.mode = \"postgres\" without a database", config.origin))?;
+            let pool = database
+                .with_context(|| format!("{}: cluster.mode = \"postgres\" without a database", config.origin))?;
             Arc::new(postgres::run::Postgres::new(pool, config))
         }
     })

@@ -6,15 +6,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::bindings::weir::handler::types::Failure;
 use crate::envelope::Envelope;
 use crate::observe::stats::FlushReason;
 use crate::outcome::Reason;
 use crate::retry::schedule::{Redelivery, Schedule};
-use crate::bindings::weir::handler::types::Failure;
 use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion};
+use crate::settle::Pending;
 use crate::settle::capture::capture_envelope;
 use crate::settle::cascades::publish_cascades;
-use crate::settle::Pending;
 use crate::settle::decide::settle_all;
 use crate::transport::Delivery;
 
@@ -290,4 +290,3 @@ async fn batch_outcomes(
         }
     }
 }
-

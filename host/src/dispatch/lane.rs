@@ -48,7 +48,6 @@ impl Lane {
     }
 }
 
-
 /// never unsafe.
 pub fn lane_key(tenant: Option<&str>, group: &str) -> u64 {
     match tenant {
@@ -81,4 +80,3 @@ pub fn take_queue(stats: &Stats, lane: &mut Lane) -> Vec<Delivery> {
     lane.lingering = None;
     lane.queue.drain(..).map(|q| q.d).collect()
 }
-

@@ -45,7 +45,6 @@ impl Done {
     }
 }
 
-
 /// Deliveries a runner takes from the subscription before it schedules.
 const BURST: usize = 512;
 

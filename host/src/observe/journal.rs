@@ -24,10 +24,10 @@ use std::path::Path;
 use anyhow::Context as _;
 use parking_lot::Mutex;
 
-use crate::envelope::Envelope;
-use crate::outcome::SettleObserver;
-use crate::outcome::Outcome;
 use super::CallObserver;
+use crate::envelope::Envelope;
+use crate::outcome::Outcome;
+use crate::outcome::SettleObserver;
 
 /// Environment variable naming the journal file of a `weir run` process.
 pub const ENV: &str = "WEIR_JOURNAL";

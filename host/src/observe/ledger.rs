@@ -11,10 +11,10 @@ use std::thread::ThreadId;
 
 use parking_lot::Mutex;
 
-use crate::envelope::Envelope;
-use crate::outcome::SettleObserver;
-use crate::outcome::Outcome;
 use super::CallObserver;
+use crate::envelope::Envelope;
+use crate::outcome::Outcome;
+use crate::outcome::SettleObserver;
 
 /// Header the ledger reads a message's position within its group from.
 pub const SEQ_HEADER: &str = "weir-ledger-seq";

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 
 use super::store::{Store, pg, write_component, write_dir_history};
-use super::types::{Activation, Caller, DeployError, Deployed, Grants, Upload};
 use super::types::digest;
+use super::types::{Activation, Caller, DeployError, Deployed, Grants, Upload};
 use super::{Priority, Registry, State, now_ms};
 use crate::runtime::HandlerVersion;
 
@@ -231,7 +231,12 @@ impl Registry {
     /// directory the history is written first: when that write fails,
     /// neither the registry nor the router changes (all or nothing), so the
     /// same deploy can be made again.
-    pub(super) fn activate(&self, name: &str, version: Arc<HandlerVersion>, activation: Activation) -> anyhow::Result<()> {
+    pub(super) fn activate(
+        &self,
+        name: &str,
+        version: Arc<HandlerVersion>,
+        activation: Activation,
+    ) -> anyhow::Result<()> {
         let mut states = self.states.lock();
         let state = states.entry(name.to_owned()).or_default();
         if let Store::Dir(dir) = &self.store {

@@ -37,7 +37,12 @@ pub struct DirHistory {
     pub activations: Vec<Activation>,
 }
 
-pub fn write_dir_history(dir: &Path, name: &str, config_digest: &str, activations: &[Activation]) -> anyhow::Result<()> {
+pub fn write_dir_history(
+    dir: &Path,
+    name: &str,
+    config_digest: &str,
+    activations: &[Activation],
+) -> anyhow::Result<()> {
     let h = DirHistory {
         config_digest: config_digest.to_owned(),
         activations: activations.to_vec(),

@@ -15,10 +15,10 @@ use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::bindings::weir::handler::host::Host;
-use crate::bindings::weir::handler::types::{Host as TypesHost, Level};
 use super::stdio::CallLog;
 use super::{CallBudgets, HandlerSettings};
+use crate::bindings::weir::handler::host::Host;
+use crate::bindings::weir::handler::types::{Host as TypesHost, Level};
 use crate::envelope::{self, Envelope};
 
 /// A message published by a guest during the current call.

@@ -6,10 +6,10 @@ use std::sync::atomic::Ordering;
 use super::capture::capture_envelope;
 use super::cascades::publish_cascades;
 use super::{Pending, Slot};
+use crate::bindings::weir::handler::types::Failure;
 use crate::envelope::Envelope;
 use crate::outcome::{Outcome, Reason};
 use crate::retry::schedule::Step;
-use crate::bindings::weir::handler::types::Failure;
 use crate::runtime::{CallOutcome, FaultKind};
 use crate::transport::Disposition;
 
@@ -74,17 +74,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
             result: Err(Failure::Reject(reason)),
             ..
         } => {
-            return capture_envelope(
-                cx,
-                &env,
-                acker,
-                Reason::Rejected,
-                &reason,
-                &source,
-                Some(&handler),
-                tag,
-            )
-            .await;
+            return capture_envelope(cx, &env, acker, Reason::Rejected, &reason, &source, Some(&handler), tag).await;
         }
         CallOutcome::Done {
             result: Err(Failure::Retry(reason)),
@@ -118,8 +108,6 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
                 }
             }
         }
-        Step::Exhausted => {
-            capture_envelope(cx, &env, acker, final_reason, &error, &source, Some(&handler), tag).await
-        }
+        Step::Exhausted => capture_envelope(cx, &env, acker, final_reason, &error, &source, Some(&handler), tag).await,
     }
 }

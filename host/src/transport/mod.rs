@@ -297,7 +297,9 @@ pub async fn publish_to_slot(
     slots: u32,
     env: &Envelope,
 ) -> Result<(), TransportError> {
-    transport.publish(topology, slot_of(env, slots), envelope::encode(env)).await
+    transport
+        .publish(topology, slot_of(env, slots), envelope::encode(env))
+        .await
 }
 
 #[cfg(test)]

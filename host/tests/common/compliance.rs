@@ -13,12 +13,12 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use weir::config::{self, Config, RetrySection, TransportKind};
 use weir::envelope::{Envelope, Wire};
-use weir::transport::nats::floor::FloorState;
-use weir::observe::ledger::Ledger;
 use weir::node::{Node, NodeOptions, bundled};
-use weir::partition;
+use weir::observe::ledger::Ledger;
 use weir::outcome::Outcome;
+use weir::partition;
 use weir::runtime::{CallObserver, RuntimeOptions};
+use weir::transport::nats::floor::FloorState;
 use weir::transport::{Delivery, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 
 /// One delivery as the recording transport saw it.

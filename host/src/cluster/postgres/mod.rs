@@ -204,7 +204,10 @@ pub(super) async fn step<T>(
 
 /// `f`, or an error once `limit` passed: a database that stops answering
 /// must not stop the loop from fencing in time.
-pub(super) async fn bounded<T>(limit: Duration, f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+pub(super) async fn bounded<T>(
+    limit: Duration,
+    f: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
     match tokio::time::timeout(limit, f).await {
         Ok(r) => r,
         Err(_) => Err(anyhow::anyhow!("no answer from the database within {limit:?}")),

@@ -148,13 +148,18 @@ impl Nats {
         })
     }
 
-
     /// Publish and wait for the stream's `PubAck`. Nothing goes out unless
     /// it fits NATS's header rules and the server's `max_payload`
     /// ([`limits`]): with `fit` (dead letters) what does not is repaired and
     /// cut with a marker, otherwise it is an [`ErrorKind::Invalid`] error
     /// naming the header.
-    pub(super) async fn publish_to(&self, subject: String, mut wire: Wire, target: &str, fit: bool) -> Result<(), TransportError> {
+    pub(super) async fn publish_to(
+        &self,
+        subject: String,
+        mut wire: Wire,
+        target: &str,
+        fit: bool,
+    ) -> Result<(), TransportError> {
         let conn = self.conn().await?;
         let limits = Limits::nats(conn.client.max_payload());
         if fit {

@@ -103,7 +103,12 @@ impl Nats {
     /// Create the stream `name` over `subjects`, or narrow/widen an existing
     /// one to exactly those subjects (its other settings, such as `max_age`,
     /// are the operator's and are kept).
-    pub(super) async fn ensure_stream(&self, conn: &Conn, name: &str, subjects: Vec<String>) -> Result<(), TransportError> {
+    pub(super) async fn ensure_stream(
+        &self,
+        conn: &Conn,
+        name: &str,
+        subjects: Vec<String>,
+    ) -> Result<(), TransportError> {
         match conn.js.get_stream(name).await {
             Ok(stream) => {
                 let info = stream.cached_info();

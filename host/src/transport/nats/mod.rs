@@ -84,12 +84,12 @@ use async_trait::async_trait;
 
 pub use conn::{Nats, NatsOptions};
 
+use crate::envelope::Wire;
+use crate::transport::{ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 use conn::{REQUEST_TIMEOUT, SYSTEM};
 use declare::{ingress_consumer_config, slot_consumer_config};
 use floor::FloorState;
 use wire::{is_not_found, is_stream_not_found};
-use crate::envelope::Wire;
-use crate::transport::{ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 
 #[async_trait]
 impl Transport for Nats {

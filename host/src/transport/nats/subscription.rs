@@ -6,8 +6,8 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::consumer::{PullConsumer, pull};
 use async_nats::jetstream;
+use async_nats::jetstream::consumer::{PullConsumer, pull};
 use async_trait::async_trait;
 
 use super::acker::{NatsAcker, Progress, Shared, progress_ticker};

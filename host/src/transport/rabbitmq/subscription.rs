@@ -16,7 +16,6 @@ use crate::envelope;
 use crate::transport::{Delivery, Subscription, TransportError};
 
 impl RabbitMq {
-
     pub(super) async fn subscribe_queue(
         &self,
         topology: &str,
