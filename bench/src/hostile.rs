@@ -172,8 +172,9 @@ pub fn main(mut args: impl Iterator<Item = String>) -> anyhow::Result<()> {
         }
     }
     println!(
-        "targets: ratio >= 0.80, peak RSS <= solo + 512 MiB; demoted calls {}",
-        pool.demoted()
+        "targets: ratio >= 0.80, peak RSS <= solo + 512 MiB; demoted calls {}, failing jobs backgrounded {}",
+        pool.demoted(),
+        pool.backgrounded()
     );
     if !failed.is_empty() {
         bail!("below target: {}", failed.join(", "));

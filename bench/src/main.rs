@@ -140,14 +140,16 @@ fn node_runtime(cache: Option<PathBuf>) -> RuntimeOptions {
         cache_dir: cache,
         ..RuntimeOptions::default()
     };
-    if let Some(n) = std::env::var("WEIR_BENCH_POOL_INSTANCES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(n) = bench_pool_instances() {
         r.pool_instances = n;
         r.max_memory = 64 << 20;
     }
     r
+}
+
+/// `WEIR_BENCH_POOL_INSTANCES`, when set to a number.
+fn bench_pool_instances() -> Option<u32> {
+    std::env::var("WEIR_BENCH_POOL_INSTANCES").ok().and_then(|v| v.parse().ok())
 }
 
 /// The same allocator as the `weir` binary, so the figures are the shipped host's.
@@ -523,6 +525,9 @@ fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Op
         node: config::Node {
             name: "bench".into(),
             admin: None,
+            // The node sizes its pool from workers x handlers unless told:
+            // under valgrind it must stay as small as `node_runtime` made it.
+            instance_pool: bench_pool_instances(),
             ..config::Node::default()
         },
         transport: match prefetch {

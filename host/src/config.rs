@@ -284,6 +284,19 @@ impl Default for Budgets {
     }
 }
 
+impl Budgets {
+    /// These budgets with a tenant's own per-call ones in place of those it sets.
+    pub fn for_tenant(&self, t: &TenantBudgets) -> Budgets {
+        Budgets {
+            cascade_bytes: t.cascade_bytes.unwrap_or(self.cascade_bytes),
+            log_bytes: t.log_bytes.unwrap_or(self.log_bytes),
+            log_lines: t.log_lines.unwrap_or(self.log_lines),
+            log_line_bytes: t.log_line_bytes.unwrap_or(self.log_line_bytes),
+            error_bytes: t.error_bytes.unwrap_or(self.error_bytes),
+        }
+    }
+}
+
 impl Default for Node {
     fn default() -> Self {
         Self {
@@ -320,6 +333,55 @@ pub struct Tenant {
     /// What the tenant's handlers may be granted; nothing by default.
     #[serde(default)]
     pub allow: TenantAllow,
+    /// The tenant's own budgets: per call (each absent key: the node's), and over time.
+    #[serde(default)]
+    pub budgets: TenantBudgets,
+}
+
+/// `tenant.budgets`: per call, for every handler of the tenant, in place of `[node.budgets]`
+/// (each absent key: the node's; never above the node's unless `above_node`), and over time,
+/// shared by all the tenant's calls on the node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantBudgets {
+    /// Bytes one call's held cascades may total; absent: `node.budgets.cascade_bytes`.
+    #[serde(default)]
+    pub cascade_bytes: Option<ByteSize>,
+    /// Bytes one call may write to the host's log; absent: `node.budgets.log_bytes`.
+    #[serde(default)]
+    pub log_bytes: Option<ByteSize>,
+    /// Lines one call may write to the host's log; absent: `node.budgets.log_lines`.
+    #[serde(default)]
+    pub log_lines: Option<u32>,
+    /// Longest log line kept; absent: `node.budgets.log_line_bytes`.
+    #[serde(default)]
+    pub log_line_bytes: Option<ByteSize>,
+    /// Longest failure text kept; absent: `node.budgets.error_bytes`.
+    #[serde(default)]
+    pub error_bytes: Option<ByteSize>,
+    /// Log bytes all the tenant's calls together may write per second (a burst of up to one
+    /// second's worth); beyond: dropped, counted, and one marker line a second at most.
+    /// Absent: no limit over time.
+    #[serde(default)]
+    pub log_bytes_per_second: Option<ByteSize>,
+    /// Log lines all the tenant's calls together may write per second, as above.
+    #[serde(default)]
+    pub log_lines_per_second: Option<u32>,
+    /// Let the per-call budgets above exceed the node's (the operator says so); default: a
+    /// value above the node's stops the start.
+    #[serde(default)]
+    pub above_node: bool,
+}
+
+impl TenantBudgets {
+    /// Whether any per-call budget is set (the node's apply otherwise).
+    pub fn overrides_per_call(&self) -> bool {
+        self.cascade_bytes.is_some()
+            || self.log_bytes.is_some()
+            || self.log_lines.is_some()
+            || self.log_line_bytes.is_some()
+            || self.error_bytes.is_some()
+    }
 }
 
 impl Tenant {
@@ -1410,6 +1472,7 @@ impl Config {
                     "is 0; accepted: a positive amount, or remove it",
                 );
             }
+            self.validate_tenant_budgets(&key, &t.budgets, errors);
         }
         for (i, h) in self.handler.iter().enumerate() {
             if h.limits.fuel == Some(0) {
@@ -1439,6 +1502,65 @@ impl Config {
                     format!("tenant {:?} handlers may not open sockets; remove it", tenant.name),
                 );
             }
+        }
+    }
+
+    /// `tenant[i].budgets`: positive, an error budget that holds its marker, and per call
+    /// not above the node's unless `above_node`.
+    fn validate_tenant_budgets(&self, key: &str, t: &TenantBudgets, errors: &mut Issues) {
+        let node = &self.node.budgets;
+        let sizes = [
+            ("cascade_bytes", t.cascade_bytes, node.cascade_bytes),
+            ("log_bytes", t.log_bytes, node.log_bytes),
+            ("log_line_bytes", t.log_line_bytes, node.log_line_bytes),
+            ("error_bytes", t.error_bytes, node.error_bytes),
+        ];
+        for (name, value, at_node) in sizes {
+            let Some(value) = value else { continue };
+            let k = format!("{key}.budgets.{name}");
+            if value.bytes() == 0 {
+                errors.add(k, "is 0; accepted: a positive size (or remove it for the node's)");
+            } else if name == "error_bytes" && value.bytes() < 128 {
+                errors.add(
+                    k,
+                    format!("{value} is too small to keep a first line and the cut marker; accepted: 128B or more"),
+                );
+            } else if value > at_node && !t.above_node {
+                errors.add(
+                    k,
+                    format!(
+                        "{value} is above node.budgets.{name} ({at_node}); accepted: at most that, \
+                         or set {key}.budgets.above_node = true"
+                    ),
+                );
+            }
+        }
+        if let Some(lines) = t.log_lines {
+            let k = format!("{key}.budgets.log_lines");
+            if lines == 0 {
+                errors.add(k, "is 0; accepted: a positive count (or remove it for the node's)");
+            } else if lines > node.log_lines && !t.above_node {
+                errors.add(
+                    k,
+                    format!(
+                        "{lines} is above node.budgets.log_lines ({}); accepted: at most that, \
+                         or set {key}.budgets.above_node = true",
+                        node.log_lines
+                    ),
+                );
+            }
+        }
+        if t.log_bytes_per_second.is_some_and(|b| b.bytes() == 0) {
+            errors.add(
+                format!("{key}.budgets.log_bytes_per_second"),
+                "is 0; accepted: a positive size (or remove it for no limit over time)",
+            );
+        }
+        if t.log_lines_per_second == Some(0) {
+            errors.add(
+                format!("{key}.budgets.log_lines_per_second"),
+                "is 0; accepted: a positive count (or remove it for no limit over time)",
+            );
         }
     }
 
@@ -1676,6 +1798,64 @@ mod tests {
             "1 to 4096",
         );
         let err = parse(&format!("[node.budgets]\nlog_lnes = 1\n{}", base("")), "weir.toml").unwrap_err();
+        assert!(err.to_string().contains("log_lnes"), "{err}");
+    }
+
+    #[test]
+    fn tenant_budgets_default_to_the_nodes_and_name_their_keys() {
+        let tenant = |budgets: &str| {
+            format!(
+                "[node.budgets]\nlog_lines = 100\n{}[[tenant]]\nname = \"acme\"\n{budgets}\n",
+                base("")
+            )
+        };
+        let c = parse(&tenant(""), "weir.toml").unwrap();
+        assert_eq!(
+            c.call_budgets(c.tenant("acme")),
+            None,
+            "no budgets of its own: the node's"
+        );
+        let c = parse(
+            &tenant("budgets = { log_lines = 10, error_bytes = \"1KiB\", log_bytes_per_second = \"1MiB\" }"),
+            "weir.toml",
+        )
+        .unwrap();
+        let b = c.call_budgets(c.tenant("acme")).unwrap();
+        assert_eq!((b.log_lines, b.error_bytes), (10, 1024));
+        let node = c.node.budgets.to_runtime();
+        assert_eq!(
+            (b.log_bytes, b.cascade_bytes),
+            (node.log_bytes, node.cascade_bytes),
+            "the rest: the node's"
+        );
+        assert_eq!(c.tenant[0].budgets.log_bytes_per_second, Some(ByteSize(1 << 20)));
+        assert_one(
+            &tenant("budgets = { log_lines = 101 }"),
+            "tenant[0].budgets.log_lines",
+            "above node.budgets.log_lines",
+        );
+        assert_one(
+            &tenant("budgets = { cascade_bytes = \"1GiB\" }"),
+            "tenant[0].budgets.cascade_bytes",
+            "above_node = true",
+        );
+        assert!(parse(&tenant("budgets = { log_lines = 101, above_node = true }"), "weir.toml").is_ok());
+        assert_one(
+            &tenant("budgets = { log_bytes = 0 }"),
+            "tenant[0].budgets.log_bytes",
+            "is 0",
+        );
+        assert_one(
+            &tenant("budgets = { error_bytes = 10 }"),
+            "tenant[0].budgets.error_bytes",
+            "128B or more",
+        );
+        assert_one(
+            &tenant("budgets = { log_lines_per_second = 0 }"),
+            "tenant[0].budgets.log_lines_per_second",
+            "is 0",
+        );
+        let err = parse(&tenant("budgets = { log_lnes = 1 }"), "weir.toml").unwrap_err();
         assert!(err.to_string().contains("log_lnes"), "{err}");
     }
 

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use weir::envelope::Envelope;
 use weir::runtime::bindings::weir::handler::types::Failure;
 use weir::runtime::pool::WorkerPool;
+use weir::runtime::stdio::LogRate;
 use weir::runtime::{
     BatchOutcome, CallBudgets, CallObserver, CallOutcome, Executor, FaultKind, HandlerSettings, HandlerVersion,
-    Runtime, RuntimeOptions,
+    Runtime, RuntimeOptions, TenantShare,
 };
 
 use common::{faulty_bytes, message};
@@ -288,6 +289,83 @@ fn failure_texts_are_cut_to_the_error_budget() {
     assert!(v.settings.budget.errors_cut.load(Ordering::Relaxed) >= 3);
 }
 
+/// Issue 15, budgets per tenant: a tenant's own per-call budgets (`tenant.budgets`, below
+/// the node's, resolved from the config as the registry does) hold for that tenant's
+/// handlers only, and another tenant keeps the node's; a tenant's budget over time is shared
+/// by all its calls and is not charged to a call's own budget.
+#[test]
+fn a_tenants_budgets_hold_for_that_tenant_only() {
+    let cfg = weir::config::parse(
+        r#"
+[node.budgets]
+log_lines = 40
+[[tenant]]
+name = "small"
+budgets = { log_lines = 5, error_bytes = "256B" }
+[[tenant]]
+name = "steady"
+budgets = { log_lines_per_second = 2 }
+[[tenant]]
+name = "other"
+"#,
+        "<inline>",
+    )
+    .expect("a valid config");
+    let rt = runtime(cfg.node.budgets.to_runtime());
+    let handler = |name: &str, rate: Option<Arc<LogRate>>| {
+        let mut s = HandlerSettings::new(format!("{name}-handler"));
+        s.budgets = cfg.call_budgets(cfg.tenant(name));
+        s.tenant = Some(TenantShare {
+            name: Arc::from(name),
+            permits: None,
+            log_rate: rate,
+        });
+        load(&rt, s)
+    };
+    let rate = Arc::new(LogRate::new(Arc::from("steady"), None, Some(2)));
+    let (small, other, steady) = (
+        handler("small", None),
+        handler("other", None),
+        handler("steady", Some(rate.clone())),
+    );
+    let mut exec = Executor::new(rt);
+    for v in [&small, &other, &steady, &steady] {
+        let (result, _) = done(exec.call(v, &message("hostile.log-lines", Some("g"), b"100"), &None));
+        assert!(result.is_ok());
+    }
+    let dropped = |v: &Arc<HandlerVersion>| v.settings.budget.log_lines_dropped.load(Ordering::Relaxed);
+    assert_eq!(dropped(&small), 95, "tenant small's own log_lines (5) holds for it");
+    assert_eq!(dropped(&other), 60, "tenant other keeps the node's log_lines (40)");
+    assert_eq!(
+        dropped(&steady),
+        0,
+        "a line over the tenant's rate is not over the call's budget"
+    );
+    let over_rate = rate.dropped_lines.load(Ordering::Relaxed);
+    assert!(
+        (190..=198).contains(&over_rate),
+        "2 lines a second for the tenant across its two calls: {over_rate} of 200 dropped"
+    );
+
+    let reason = |v: &Arc<HandlerVersion>, exec: &mut Executor| match done(exec.call(
+        v,
+        &message("hostile.reject-bytes", Some("g"), b"2000"),
+        &None,
+    ))
+    .0
+    {
+        Err(Failure::Reject(t)) => t,
+        other => panic!("a reject was expected, got {other:?}"),
+    };
+    let (cut, kept) = (reason(&small, &mut exec), reason(&other, &mut exec));
+    assert!(
+        cut.len() <= 256,
+        "tenant small's error_bytes (256B): {} bytes",
+        cut.len()
+    );
+    assert_eq!(kept.len(), 2000, "tenant other keeps the node's error_bytes (4KiB)");
+}
+
 /// Issue 14 item 12: more live versions than the pool has room for cached instances: idle
 /// instances are evicted (this executor's, then others'), no call fails.
 #[test]
@@ -406,4 +484,74 @@ fn a_sleeping_call_gives_its_worker_place_to_a_fresh_one() {
         assert_eq!(fault(outcome).kind, FaultKind::Cancelled);
     });
     assert_eq!(pool.demoted(), 1, "the sleeping call's worker was replaced");
+}
+
+/// The thread each message type ran on, by name.
+#[derive(Default)]
+struct Threads(Mutex<Vec<(String, String)>>);
+
+impl CallObserver for Threads {
+    fn before(&self, msg: &Envelope) {
+        let thread = std::thread::current().name().unwrap_or_default().to_owned();
+        self.0.lock().unwrap().push((msg.message_type.clone(), thread));
+    }
+    fn after(&self, _msg: &Envelope) {}
+}
+
+/// Issue 15, fair share of failing work: short failing calls (each far below `demote_after`)
+/// are charged to their tenant, host work included; once its debt passes `FAILING_CPU` its
+/// jobs run on the background workers (lowest normal priority), while another tenant's calls
+/// stay on the normal workers.
+#[test]
+fn a_failing_tenants_calls_move_to_the_background_workers() {
+    let threads = Arc::new(Threads::default());
+    let rt = Runtime::with_observer(options(16, CallBudgets::default()), threads.clone()).expect("runtime starts");
+    let bad = load(&rt, HandlerSettings::new("failing"));
+    let good = load(&rt, HandlerSettings::new("good"));
+    let pool = WorkerPool::new(rt, 1).expect("pool starts");
+    let async_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    async_rt.block_on(async {
+        // Each 1 MiB reason costs a millisecond or more: 50 ms of debt within 2000 calls.
+        for _ in 0..2000 {
+            let m = message("hostile.reject-bytes", Some("bad"), b"1048576");
+            pool.run_each(vec![(bad.clone(), m)], None)
+                .await
+                .expect("the pool answers");
+            if pool.backgrounded() > 0 {
+                break;
+            }
+        }
+        for _ in 0..20 {
+            let m = message("ok", Some("good"), b"");
+            pool.run_each(vec![(good.clone(), m)], None)
+                .await
+                .expect("the pool answers");
+            let m = message("hostile.reject-bytes", Some("bad"), b"1048576");
+            pool.run_each(vec![(bad.clone(), m)], None)
+                .await
+                .expect("the pool answers");
+        }
+    });
+    let seen = threads.0.lock().unwrap().clone();
+    let on = |ty: &str| -> Vec<String> {
+        seen.iter()
+            .rev()
+            .filter(|(t, _)| t == ty)
+            .take(20)
+            .map(|(_, th)| th.clone())
+            .collect()
+    };
+    assert!(
+        on("hostile.reject-bytes").iter().all(|t| t == "weir-background"),
+        "the failing tenant's last calls ran on {:?}",
+        on("hostile.reject-bytes")
+    );
+    assert!(
+        on("ok").iter().all(|t| t.starts_with("weir-worker-")),
+        "the good tenant's calls ran on {:?}",
+        on("ok")
+    );
 }

@@ -186,10 +186,24 @@ fn tenant_shares(config: &Config) -> HashMap<String, TenantShare> {
                     .limits
                     .concurrency
                     .map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1) as usize))),
+                log_rate: tenant_log_rate(t),
             };
             (t.name.clone(), share)
         })
         .collect()
+}
+
+/// A tenant's log budget over time, when it sets one.
+fn tenant_log_rate(t: &config::Tenant) -> Option<Arc<runtime::stdio::LogRate>> {
+    let (bytes, lines) = (t.budgets.log_bytes_per_second, t.budgets.log_lines_per_second);
+    if bytes.is_none() && lines.is_none() {
+        return None;
+    }
+    Some(Arc::new(runtime::stdio::LogRate::new(
+        Arc::from(t.name.as_str()),
+        bytes.map(|b| b.bytes()),
+        lines.map(u64::from),
+    )))
 }
 
 /// The runtime settings of a configured handler, without grants: limits
@@ -212,8 +226,10 @@ fn base_settings(h: &config::Handler, config: &Config, shares: &HashMap<String, 
         s.tenant = Some(shares.get(t).cloned().unwrap_or_else(|| TenantShare {
             name: Arc::from(t),
             permits: None,
+            log_rate: None,
         }));
         if let Some(tenant) = config.tenant(t) {
+            s.budgets = config.call_budgets(Some(tenant));
             if let Some(m) = tenant.limits.memory {
                 s.memory_limit = s.memory_limit.min(usize::try_from(m.bytes()).unwrap_or(usize::MAX));
             }

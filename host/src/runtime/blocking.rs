@@ -89,6 +89,25 @@ fn interrupt(state: &mut HostState, why: Interruption) -> wasmtime::Error {
     })
 }
 
+/// Negative control for the cluster tests, never for production: with this environment
+/// variable set to `1` a blocking WASI call ignores the cancel flag (it still ends at the
+/// call's deadline), as it did before this module: a fence or a lost subscription cannot
+/// stop a sleeping guest.
+pub const NEGATIVE_CONTROL_BLOCKING_IGNORES_CANCEL: &str = "WEIR_NEGATIVE_CONTROL_BLOCKING_IGNORES_CANCEL";
+
+fn ignores_cancel() -> bool {
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| {
+        let set = std::env::var(NEGATIVE_CONTROL_BLOCKING_IGNORES_CANCEL).is_ok_and(|v| v == "1");
+        if set {
+            tracing::error!(
+                "{NEGATIVE_CONTROL_BLOCKING_IGNORES_CANCEL}=1: blocking WASI calls IGNORE cancellation (a test's negative control; never in production)"
+            );
+        }
+        set
+    })
+}
+
 /// Run `fut` on wasmtime-wasi's runtime (as its own sync bindings do), but stop at `deadline`
 /// or when `cancel` is set, whichever comes first.
 fn bounded<F: Future>(
@@ -97,6 +116,7 @@ fn bounded<F: Future>(
     long: Option<(std::time::Duration, LongCallHook)>,
     fut: F,
 ) -> Result<F::Output, Interruption> {
+    let cancel = cancel.filter(|_| !ignores_cancel());
     let is_cancelled = |c: &Option<Arc<AtomicBool>>| c.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
     if is_cancelled(&cancel) {
         return Err(Interruption::Cancelled);

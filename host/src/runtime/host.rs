@@ -68,7 +68,7 @@ pub struct HostState {
     pub(crate) cpu_mark: Option<std::time::Duration>,
     /// What a worker does about a long call (demote itself, send a replacement).
     pub(crate) on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
-    /// The node's per-call budgets.
+    /// The call's budgets: the node's, or its tenant's.
     pub(crate) budgets: CallBudgets,
     /// Log lines and bytes of the current call (shared with granted stdio).
     pub(crate) log: Arc<CallLog>,
@@ -91,7 +91,8 @@ impl HostState {
     pub(crate) fn new(settings: Arc<HandlerSettings>, budgets: CallBudgets) -> Self {
         let mut wasi = WasiCtx::builder();
         settings.wasi.apply(&mut wasi);
-        let log = Arc::new(CallLog::new(&budgets));
+        let rate = settings.tenant.as_ref().and_then(|t| t.log_rate.clone());
+        let log = Arc::new(CallLog::new(&budgets).with_rate(rate));
         let stdio = if settings.wasi.inherit_stdio {
             // The host's stdout and stderr, within the call's log budget.
             wasi.stdout(super::stdio::BudgetedStdio::new(log.clone(), false))
@@ -163,7 +164,7 @@ impl HostState {
 }
 
 /// CPU time the calling thread has used.
-fn thread_cpu_time() -> std::time::Duration {
+pub(super) fn thread_cpu_time() -> std::time::Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime writes one timespec we own.
     let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
@@ -247,7 +248,8 @@ impl Host for HostState {
         if held > self.budgets.cascade_bytes {
             let why = format!(
                 "publish: this call's cascades would hold {held} bytes, over the limit of {} \
-                 (node.budgets.cascade_bytes); none of this call's publishes will be sent",
+                 (node.budgets.cascade_bytes, or tenant.budgets.cascade_bytes); none of this call's publishes \
+                 will be sent",
                 self.budgets.cascade_bytes
             );
             // Release what the call holds now, not when it ends.

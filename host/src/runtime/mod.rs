@@ -118,6 +118,15 @@ impl crate::config::Budgets {
     }
 }
 
+impl crate::config::Config {
+    /// The per-call budgets of `tenant`'s handlers when it sets its own (`tenant.budgets`,
+    /// the node's for each key it leaves out); `None`: the node's apply.
+    pub fn call_budgets(&self, tenant: Option<&crate::config::Tenant>) -> Option<CallBudgets> {
+        let t = tenant.filter(|t| t.budgets.overrides_per_call())?;
+        Some(self.node.budgets.for_tenant(&t.budgets).to_runtime())
+    }
+}
+
 impl Default for CallBudgets {
     fn default() -> Self {
         use crate::config::defaults;
@@ -283,6 +292,9 @@ pub struct HandlerSettings {
     pub metrics: Arc<crate::observe::stats::HandlerMetrics>,
     /// What the per-call budgets refused or cut for this handler.
     pub budget: Arc<BudgetCounters>,
+    /// Per-call budgets of its own (its tenant's, `tenant.budgets`); `None`: the node's
+    /// ([`RuntimeOptions::budgets`]).
+    pub budgets: Option<CallBudgets>,
 }
 
 /// A tenant's share of the node: calls of all its handlers at once.
@@ -292,6 +304,8 @@ pub struct TenantShare {
     pub name: Arc<str>,
     /// Calls of the tenant's handlers that may run at once (`None`: unbounded).
     pub permits: Option<Arc<tokio::sync::Semaphore>>,
+    /// The tenant's log budget over time, shared by all its calls (`None`: none).
+    pub log_rate: Option<Arc<stdio::LogRate>>,
 }
 
 impl HandlerSettings {
@@ -311,6 +325,7 @@ impl HandlerSettings {
             fuel: None,
             metrics: Arc::default(),
             budget: Arc::default(),
+            budgets: None,
         }
     }
 }
@@ -710,7 +725,8 @@ struct Instance {
 
 impl Instance {
     fn new(engine: &Engine, version: &HandlerVersion, options: &RuntimeOptions) -> anyhow::Result<Self> {
-        let mut store = Store::new(engine, HostState::new(version.settings.clone(), options.budgets));
+        let budgets = version.settings.budgets.unwrap_or(options.budgets);
+        let mut store = Store::new(engine, HostState::new(version.settings.clone(), budgets));
         if options.fuel {
             // Instantiation (start functions) is metered like a call.
             store
@@ -939,14 +955,14 @@ impl Executor {
                 dropped_bytes = bytes,
                 log_bytes = data.budgets.log_bytes,
                 log_lines = data.budgets.log_lines,
-                "guest log over its per-call budget (node.budgets): the rest of this call's log was dropped or cut"
+                "guest log over its per-call budget (node.budgets, or its tenant's): the rest of this call's log was dropped or cut"
             );
         }
     }
 
     /// A failure text cut to the error budget, counted when cut.
     fn cut_failure(&self, settings: &HandlerSettings, failure: &mut Failure) {
-        let budget = self.runtime.options.budgets.error_bytes;
+        let budget = settings.budgets.unwrap_or(self.runtime.options.budgets).error_bytes;
         let (Failure::Retry(text) | Failure::Reject(text)) = failure;
         if text.len() > budget {
             cut_text(text, budget);

@@ -123,13 +123,113 @@ impl AsyncWrite for TailPipe {
 }
 
 /// What one call has written to the host's log and stdio, against its budgets. Lines over
-/// the budget are dropped and counted; the executor writes one marker line per call.
+/// the budget are dropped and counted; the executor writes one marker line per call. Lines
+/// within it are then held to the tenant's budget over time ([`LogRate`]), if it has one.
 #[derive(Debug)]
 pub struct CallLog {
     max_bytes: usize,
     max_lines: usize,
     line_bytes: usize,
     count: Mutex<LogCount>,
+    rate: Option<Arc<LogRate>>,
+}
+
+/// A tenant's log budget over time (`tenant.budgets.log_bytes_per_second`,
+/// `log_lines_per_second`), shared by all its calls: a bucket of bytes and one of lines,
+/// refilled at their rates and holding at most one second's worth. A line is written while
+/// both buckets hold something (it may take the bytes bucket below zero); otherwise it is
+/// dropped and counted, with one marker line a second at most for the whole tenant.
+#[derive(Debug)]
+pub struct LogRate {
+    tenant: Arc<str>,
+    bytes_per_second: Option<u64>,
+    lines_per_second: Option<u64>,
+    state: Mutex<RateState>,
+    /// Lines dropped over the rate, all the tenant's calls.
+    pub dropped_lines: std::sync::atomic::AtomicU64,
+    /// Bytes of those lines.
+    pub dropped_bytes: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Debug)]
+struct RateState {
+    bytes: f64,
+    lines: f64,
+    at: std::time::Instant,
+    /// When the last marker line was written.
+    marked: Option<std::time::Instant>,
+    /// Dropped since that marker.
+    unmarked: (u64, u64),
+}
+
+impl LogRate {
+    /// A budget of `bytes_per_second` and `lines_per_second` (each `None`: unlimited).
+    pub fn new(tenant: Arc<str>, bytes_per_second: Option<u64>, lines_per_second: Option<u64>) -> Self {
+        let full = |r: Option<u64>| r.map_or(f64::INFINITY, |r| r as f64);
+        Self {
+            tenant,
+            bytes_per_second,
+            lines_per_second,
+            state: Mutex::new(RateState {
+                bytes: full(bytes_per_second),
+                lines: full(lines_per_second),
+                at: std::time::Instant::now(),
+                marked: None,
+                unmarked: (0, 0),
+            }),
+            dropped_lines: std::sync::atomic::AtomicU64::new(0),
+            dropped_bytes: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// A line of `len` bytes: true to write it (its bytes and line taken), false when it is
+    /// over the rate (counted; a marker line if none was written in the last second).
+    pub fn admit(&self, len: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        let now = std::time::Instant::now();
+        let mut st = self.state.lock();
+        let secs = now.saturating_duration_since(st.at).as_secs_f64();
+        st.at = now;
+        if let Some(r) = self.bytes_per_second {
+            st.bytes = (st.bytes + secs * r as f64).min(r as f64);
+        }
+        if let Some(r) = self.lines_per_second {
+            st.lines = (st.lines + secs * r as f64).min(r as f64);
+        }
+        if st.bytes > 0.0 && st.lines >= 1.0 {
+            st.bytes -= len as f64;
+            st.lines -= 1.0;
+            return true;
+        }
+        self.dropped_lines.fetch_add(1, Ordering::Relaxed);
+        self.dropped_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        st.unmarked.0 += 1;
+        st.unmarked.1 += len as u64;
+        if st
+            .marked
+            .is_none_or(|m| now.saturating_duration_since(m) >= std::time::Duration::from_secs(1))
+        {
+            let (lines, bytes) = std::mem::take(&mut st.unmarked);
+            st.marked = Some(now);
+            drop(st);
+            tracing::warn!(
+                tenant = &*self.tenant,
+                dropped_lines = lines,
+                dropped_bytes = bytes,
+                log_bytes_per_second = self.bytes_per_second,
+                log_lines_per_second = self.lines_per_second,
+                "tenant's guest log over its budget per second (tenant.budgets): lines dropped since the last notice"
+            );
+        }
+        false
+    }
+
+    /// Take `len` more bytes of a line already admitted (a stdio line written in pieces).
+    fn charge(&self, len: usize) {
+        if self.bytes_per_second.is_some() {
+            self.state.lock().bytes -= len as f64;
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -141,6 +241,8 @@ struct LogCount {
     /// A stdio line is open: `Some(true)` kept so far (with its length), `Some(false)` dropped.
     open: Option<bool>,
     open_len: usize,
+    /// The open line was dropped for the tenant's rate (its bytes are counted there).
+    open_over_rate: bool,
 }
 
 impl CallLog {
@@ -151,7 +253,14 @@ impl CallLog {
             max_lines: budgets.log_lines,
             line_bytes: budgets.log_line_bytes,
             count: Mutex::new(LogCount::default()),
+            rate: None,
         }
+    }
+
+    /// The same, with the tenant's budget over time after the call's own.
+    pub fn with_rate(mut self, rate: Option<Arc<LogRate>>) -> Self {
+        self.rate = rate;
+        self
     }
 
     /// Start a new call; returns what the last one dropped (lines, bytes).
@@ -171,6 +280,12 @@ impl CallLog {
             return None;
         }
         let keep = len.min(self.line_bytes).min(self.max_bytes - c.bytes);
+        // Over the tenant's rate: dropped and counted there, not against the call's budget.
+        if let Some(rate) = &self.rate
+            && !rate.admit(keep)
+        {
+            return None;
+        }
         c.lines += 1;
         c.bytes += keep;
         c.dropped_bytes += (len - keep) as u64;
@@ -189,6 +304,10 @@ impl CallLog {
                 if c.lines >= self.max_lines || c.bytes >= self.max_bytes {
                     c.dropped_lines += 1;
                     c.open = Some(false);
+                } else if self.rate.as_ref().is_some_and(|r| !r.admit(0)) {
+                    // Over the tenant's rate: counted there, not against the call's budget.
+                    c.open = Some(false);
+                    c.open_over_rate = true;
                 } else {
                     c.lines += 1;
                     c.open = Some(true);
@@ -199,6 +318,9 @@ impl CallLog {
                 let room = (self.line_bytes - c.open_len.min(self.line_bytes))
                     .min(self.max_bytes - c.bytes.min(self.max_bytes));
                 let keep = body.len().min(room);
+                if let Some(rate) = &self.rate {
+                    rate.charge(keep);
+                }
                 out.extend_from_slice(&body[..keep]);
                 c.bytes += keep;
                 c.open_len += keep;
@@ -206,11 +328,17 @@ impl CallLog {
                 if ends {
                     out.push(b'\n');
                 }
+            } else if c.open_over_rate {
+                if let Some(rate) = &self.rate {
+                    rate.dropped_bytes
+                        .fetch_add(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
             } else {
                 c.dropped_bytes += body.len() as u64;
             }
             if ends {
                 c.open = None;
+                c.open_over_rate = false;
             }
         }
         out
@@ -331,5 +459,27 @@ mod tests {
         let (lines, bytes) = log.reset();
         assert_eq!((lines, bytes), (3, 960 + 3 + 3 + 5));
         assert_eq!(log.admit_line(5), Some(5), "a new call has a new budget");
+    }
+
+    #[test]
+    fn a_tenants_rate_is_shared_by_its_calls_and_not_charged_to_a_call() {
+        let rate = Arc::new(LogRate::new(Arc::from("t"), Some(100), None));
+        let budgets = crate::runtime::CallBudgets::default();
+        let (a, b) = (
+            CallLog::new(&budgets).with_rate(Some(rate.clone())),
+            CallLog::new(&budgets).with_rate(Some(rate.clone())),
+        );
+        assert_eq!(a.admit_line(60), Some(60));
+        assert_eq!(
+            b.admit_line(60),
+            Some(60),
+            "a bucket with bytes left admits a line whole"
+        );
+        assert_eq!(a.admit_line(10), None, "the bucket is shared: empty for every call");
+        assert_eq!(b.admit_chunk(b"abc\n"), b"", "stdio too");
+        assert_eq!(rate.dropped_lines.load(std::sync::atomic::Ordering::Relaxed), 2);
+        assert_eq!(rate.dropped_bytes.load(std::sync::atomic::Ordering::Relaxed), 13);
+        assert_eq!(a.reset(), (0, 0), "over the rate is not over the call's budget");
+        assert_eq!(b.reset(), (0, 0));
     }
 }

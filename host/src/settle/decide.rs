@@ -48,6 +48,25 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
     }
 }
 
+/// Negative control for the fence tests, never for production: with this
+/// environment variable set to `1` a call the host cancelled (a fence, a
+/// drain deadline, a lost subscription) and the calls after it in its job
+/// count as failed attempts (as a timeout does) instead of being released.
+pub const NEGATIVE_CONTROL_CANCEL_FAILS: &str = "WEIR_NEGATIVE_CONTROL_CANCEL_FAILS";
+
+fn cancel_fails() -> bool {
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| {
+        let set = std::env::var(NEGATIVE_CONTROL_CANCEL_FAILS).is_ok_and(|v| v == "1");
+        if set {
+            tracing::error!(
+                "{NEGATIVE_CONTROL_CANCEL_FAILS}=1: cancelled calls count as FAILED attempts (a test's negative control; never in production)"
+            );
+        }
+        set
+    })
+}
+
 /// Turn a call's outcome into a settled delivery.
 async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pending) -> Outcome {
     let Pending {
@@ -84,6 +103,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
             cx.sink.stats.faults.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(handler = handler.name(), message = %env.id, attempt = env.attempt, fault = %f, "guest fault");
             match f.kind {
+                FaultKind::Cancelled if cancel_fails() => (f.to_string(), Reason::Timeout),
                 FaultKind::Cancelled => {
                     if let Err(e) = acker.settle(Disposition::Release).await {
                         tracing::warn!(tag, error = %e, "release of a cancelled call failed; the broker redelivers it");

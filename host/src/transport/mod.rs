@@ -34,6 +34,77 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Negative control for the drain tests, never for production: with this
+/// environment variable set to `1` a drained subscription and the node's
+/// shutdown only put their acks on the wire (RabbitMQ: the frames written,
+/// NATS: the connection flushed) and do not wait for the broker to confirm
+/// that it has them, so a node can exit while its acks are still on the way.
+pub const NEGATIVE_CONTROL_UNCONFIRMED_ACKS: &str = "WEIR_NEGATIVE_CONTROL_UNCONFIRMED_ACKS";
+
+/// How long a drain waits for the broker to confirm the acks sent so far.
+pub const ACK_CONFIRM_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The log line (info) of a drain still waiting for that confirmation after
+/// [`ACK_CONFIRM_PATIENCE`]: a stalled broker or network.
+pub const ACK_CONFIRM_WAITING: &str = "waiting for the broker to confirm the acks sent so far";
+
+/// After this long without the confirmation, [`ACK_CONFIRM_WAITING`] is logged.
+pub const ACK_CONFIRM_PATIENCE: Duration = Duration::from_millis(100);
+
+/// True when [`NEGATIVE_CONTROL_UNCONFIRMED_ACKS`] is set (read once).
+pub fn unconfirmed_acks() -> bool {
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| {
+        let set = std::env::var(NEGATIVE_CONTROL_UNCONFIRMED_ACKS).is_ok_and(|v| v == "1");
+        if set {
+            tracing::error!(
+                "{NEGATIVE_CONTROL_UNCONFIRMED_ACKS}=1: drains do NOT wait for the broker to confirm their acks (a test's negative control; never in production)"
+            );
+        }
+        set
+    })
+}
+
+/// Wait (up to [`ACK_CONFIRM_TIMEOUT`]) for `confirm`, the broker's answer
+/// to something sent after every ack of `what`: once it is here, the broker
+/// has every one of them. Logs [`ACK_CONFIRM_WAITING`] when it takes longer
+/// than [`ACK_CONFIRM_PATIENCE`], and a warning when it never comes.
+pub async fn confirm_acks<E: std::fmt::Display>(
+    system: &'static str,
+    what: &str,
+    confirm: impl std::future::Future<Output = Result<(), E>>,
+) {
+    tokio::pin!(confirm);
+    let started = std::time::Instant::now();
+    let result = match tokio::time::timeout(ACK_CONFIRM_PATIENCE, &mut confirm).await {
+        Ok(r) => Some(r),
+        Err(_) => {
+            tracing::info!(messaging.system = system, what, timeout = ?ACK_CONFIRM_TIMEOUT, "{ACK_CONFIRM_WAITING}");
+            tokio::time::timeout(ACK_CONFIRM_TIMEOUT.saturating_sub(started.elapsed()), &mut confirm)
+                .await
+                .ok()
+        }
+    };
+    match result {
+        Some(Ok(())) => {
+            tracing::debug!(
+                messaging.system = system,
+                what,
+                waited_ms = started.elapsed().as_millis(),
+                "the broker confirmed the acks"
+            )
+        }
+        Some(Err(e)) => tracing::warn!(
+            messaging.system = system, what, error = %e,
+            "the broker did not confirm the acks sent so far; any it did not get are redelivered"
+        ),
+        None => tracing::warn!(
+            messaging.system = system, what, timeout = ?ACK_CONFIRM_TIMEOUT,
+            "no confirmation of the acks sent so far; any the broker did not get are redelivered"
+        ),
+    }
+}
+
 /// What kind of failure a broker operation had.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {

@@ -52,6 +52,11 @@ impl NodeProc {
         }
     }
 
+    /// Send `sig` and return at once (the test watches what follows).
+    pub fn send_signal(&self, sig: i32) {
+        self.signal(sig);
+    }
+
     /// SIGTERM, then wait for a clean exit (the node drains first).
     pub fn terminate(&mut self, timeout: Duration) {
         self.signal(libc::SIGTERM);
@@ -82,7 +87,8 @@ impl NodeProc {
         let _ = self.wait(Duration::from_secs(10));
     }
 
-    fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+    /// Wait for the exit (panics with the log after `timeout`).
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let start = Instant::now();
         let child = self.child.as_mut().expect("the node was started");
         loop {

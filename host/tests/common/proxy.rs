@@ -11,6 +11,7 @@
 #![allow(dead_code, reason = "each user needs a different subset")]
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -29,11 +30,21 @@ pub enum Mode {
     Cut,
 }
 
+/// An armed [`FaultProxy::freeze_after`]: freeze once a client connection
+/// has sent a chunk containing `pattern` and then `more` chunks after it.
+struct Trigger {
+    pattern: Vec<u8>,
+    more: usize,
+}
+
+type Armed = Arc<Mutex<Option<Trigger>>>;
+
 /// See the module docs. Stops (closing everything) when dropped.
 pub struct FaultProxy {
     /// The address it listens on (127.0.0.1, a free port).
     pub addr: SocketAddr,
-    mode: watch::Sender<Mode>,
+    mode: Arc<watch::Sender<Mode>>,
+    armed: Armed,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -45,6 +56,9 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("the proxy has an address");
         listener.set_nonblocking(true).expect("non-blocking listener");
         let (mode, mode_rx) = watch::channel(Mode::Forward);
+        let mode = Arc::new(mode);
+        let armed: Armed = Arc::default();
+        let (tx, trigger) = (mode.clone(), armed.clone());
         let (shutdown, shutdown_rx) = tokio::sync::oneshot::channel();
         let thread = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -54,7 +68,7 @@ impl FaultProxy {
             rt.block_on(async move {
                 let listener = TcpListener::from_std(listener).expect("tokio listener");
                 tokio::select! {
-                    () = accept_loop(listener, target, mode_rx) => {}
+                    () = accept_loop(listener, target, mode_rx, tx, trigger) => {}
                     _ = shutdown_rx => {}
                 }
             });
@@ -62,6 +76,7 @@ impl FaultProxy {
         Self {
             addr,
             mode,
+            armed,
             shutdown: Some(shutdown),
             thread: Some(thread),
         }
@@ -91,6 +106,24 @@ impl FaultProxy {
     pub fn forward(&self) {
         self.set(Mode::Forward);
     }
+
+    /// Freeze (everything, as [`FaultProxy::freeze`]) at a chosen point of
+    /// a client's conversation: once one client connection has sent a chunk
+    /// containing `pattern` and then `more` further chunks, each forwarded
+    /// before the freeze. A database client that waits for each answer
+    /// sends one statement per chunk: freezing after `BEGIN` and a few
+    /// chunks stops it inside its transaction, with what it locked held.
+    pub fn freeze_after(&self, pattern: &[u8], more: usize) {
+        *self.armed.lock().unwrap() = Some(Trigger {
+            pattern: pattern.to_vec(),
+            more,
+        });
+    }
+
+    /// True while a [`FaultProxy::freeze_after`] has not fired yet.
+    pub fn armed(&self) -> bool {
+        self.armed.lock().unwrap().is_some()
+    }
 }
 
 impl Drop for FaultProxy {
@@ -104,12 +137,19 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn accept_loop(listener: TcpListener, target: SocketAddr, mode: watch::Receiver<Mode>) {
+async fn accept_loop(
+    listener: TcpListener,
+    target: SocketAddr,
+    mode: watch::Receiver<Mode>,
+    set: Arc<watch::Sender<Mode>>,
+    armed: Armed,
+) {
     loop {
         let Ok((inbound, _)) = listener.accept().await else {
             return;
         };
         let mode = mode.clone();
+        let watch = Some((set.clone(), armed.clone()));
         tokio::spawn(async move {
             let mut m = mode.clone();
             // Held while frozen, closed when cut.
@@ -126,8 +166,8 @@ async fn accept_loop(listener: TcpListener, target: SocketAddr, mode: watch::Rec
             let _ = outbound.set_nodelay(true);
             let (ri, wi) = inbound.into_split();
             let (ro, wo) = outbound.into_split();
-            let up = pump(ri, wo, mode.clone());
-            let down = pump(ro, wi, mode.clone());
+            let up = pump(ri, wo, mode.clone(), watch);
+            let down = pump(ro, wi, mode.clone(), None);
             // Either direction ending (EOF, error, cut) closes both.
             tokio::select! {
                 () = up => {}
@@ -137,13 +177,18 @@ async fn accept_loop(listener: TcpListener, target: SocketAddr, mode: watch::Rec
     }
 }
 
-/// Copy `from` to `to` while the mode allows; returns on EOF, an error or a cut.
+/// Copy `from` to `to` while the mode allows; returns on EOF, an error or a
+/// cut. `trigger`: the client's direction, watched for a
+/// [`FaultProxy::freeze_after`].
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut mode: watch::Receiver<Mode>,
+    trigger: Option<(Arc<watch::Sender<Mode>>, Armed)>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
+    // Chunks forwarded since this connection sent the trigger's pattern.
+    let mut since: Option<usize> = None;
     loop {
         let n = tokio::select! {
             r = from.read(&mut buf) => match r {
@@ -162,6 +207,20 @@ async fn pump(
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
+        }
+        if let Some((set, armed)) = &trigger {
+            let mut armed = armed.lock().unwrap();
+            if let Some(t) = armed.as_ref() {
+                match since {
+                    None if buf[..n].windows(t.pattern.len()).any(|w| w == t.pattern) => since = Some(0),
+                    None => {}
+                    Some(k) => since = Some(k + 1),
+                }
+                if since.is_some_and(|k| k >= t.more) {
+                    set.send_replace(Mode::Freeze);
+                    *armed = None;
+                }
+            }
         }
     }
 }

@@ -33,11 +33,17 @@ impl Member {
     /// One leader pass, in one transaction that re-checks leadership first.
     pub(super) async fn lead(&self, id: Uuid) -> anyhow::Result<()> {
         let mut tx = self.pool.begin().await.context("leader: begin")?;
-        let still =
-            sqlx::query("SELECT 1 FROM weir_leader WHERE id = 1 AND node_id = $1 AND lease_until > now() FOR UPDATE")
-                .bind(id)
-                .fetch_optional(&mut *tx)
-                .await?;
+        // The leader row locked, and the transaction bounded: a node that
+        // stalls inside it (its network, its process) is cut off by the
+        // server, which frees every row it locked for the others.
+        let still = sqlx::query(
+            "SELECT set_config('idle_in_transaction_session_timeout', $2, true) FROM weir_leader \
+             WHERE id = 1 AND node_id = $1 AND lease_until > now() FOR UPDATE",
+        )
+        .bind(id)
+        .bind(self.idle_in_transaction())
+        .fetch_optional(&mut *tx)
+        .await?;
         if still.is_none() {
             return Ok(());
         }

@@ -51,6 +51,10 @@ impl Member {
     /// caller has drained every slot already, or fenced).
     pub(super) async fn leave(&self, id: Uuid) -> anyhow::Result<()> {
         let mut tx = self.pool.begin().await.context("leaving: begin")?;
+        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+            .bind(self.idle_in_transaction())
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = $1",
         )

@@ -79,6 +79,12 @@ pub const NEGATIVE_CONTROL_NO_DRAIN: &str = "WEIR_NEGATIVE_CONTROL_NO_DRAIN";
 /// expired (lease + 3 ticks), so the test can show it measures lateness.
 pub const NEGATIVE_CONTROL_LATE_FENCE: &str = "WEIR_NEGATIVE_CONTROL_LATE_FENCE";
 
+/// Negative control for the stalled-leader test, never for production: with
+/// this environment variable set to `1` a node's transactions have no
+/// `idle_in_transaction_session_timeout`, so a node that stalls inside one
+/// keeps its rows locked for as long as the server keeps its session.
+pub const NEGATIVE_CONTROL_NO_TX_TIMEOUT: &str = "WEIR_NEGATIVE_CONTROL_NO_TX_TIMEOUT";
+
 /// The embedded migrations (`host/migrations`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -177,6 +183,16 @@ impl Member {
     /// How long one database step may take: half the fence margin.
     pub(super) fn db_timeout(&self) -> Duration {
         (fence_margin(self.lease) / 2).max(TICK)
+    }
+
+    /// `idle_in_transaction_session_timeout` of this node's transactions, in
+    /// ms: a step's own limit (the node gave up on the step by then). `0`
+    /// (none) under [`NEGATIVE_CONTROL_NO_TX_TIMEOUT`].
+    fn idle_in_transaction(&self) -> String {
+        if std::env::var(NEGATIVE_CONTROL_NO_TX_TIMEOUT).is_ok_and(|v| v == "1") {
+            return "0".to_owned();
+        }
+        self.db_timeout().as_millis().to_string()
     }
 }
 

@@ -231,18 +231,34 @@ impl Transport for Nats {
         self.inner.floor.snapshot()
     }
 
-    /// Flush the connection: acks and naks are published without an answer,
-    /// so they may still sit in the client's buffer when the node stops.
+    /// Acks and naks are published without an answer, so when the node
+    /// stops they may still sit in the client's buffer, or in a socket or a
+    /// network that stalls: flush the connection, then wait for the answer
+    /// to a request sent after them (the server reads a connection in
+    /// order, so once it answers it has every ack). Bounded: see
+    /// [`crate::transport::confirm_acks`].
     async fn close(&self) {
         let conn = self.inner.conn.lock().await.clone();
-        if let Some(conn) = conn
-            && let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, conn.client.flush())
+        let Some(conn) = conn else { return };
+        if crate::transport::unconfirmed_acks() {
+            if let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, conn.client.flush())
                 .await
                 .map_err(|_| "timed out".to_owned())
                 .and_then(|r| r.map_err(|e| e.to_string()))
-        {
-            tracing::warn!(messaging.system = SYSTEM, error = %e, "flushing the connection at shutdown failed; acks not yet sent are redelivered");
+            {
+                tracing::warn!(messaging.system = SYSTEM, error = %e, "flushing the connection at shutdown failed; acks not yet sent are redelivered");
+            }
+            return;
         }
+        let confirm = async {
+            conn.client.flush().await.map_err(|e| format!("flushing: {e}"))?;
+            conn.js
+                .query_account()
+                .await
+                .map(drop)
+                .map_err(|e| format!("the round trip after the acks ($JS.API.INFO): {e}"))
+        };
+        crate::transport::confirm_acks(SYSTEM, "every ack and release of this connection", confirm).await;
     }
 }
 

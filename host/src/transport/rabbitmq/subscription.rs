@@ -167,7 +167,19 @@ impl Subscription for RabbitSubscription {
         self.map(item)
     }
 
+    /// Put the coalesced acks on the wire, then close the channel and wait
+    /// for the broker's `close-ok`: the broker handles a channel's frames in
+    /// order, so once it answers it has every ack and release of this
+    /// subscription (frames only written may still be lost with the node's
+    /// connection, and their deliveries run again). Bounded: see
+    /// [`crate::transport::confirm_acks`].
     async fn close(&mut self) {
         self.acks.flush_all().await;
+        if crate::transport::unconfirmed_acks() || !self._channel.status().connected() {
+            return;
+        }
+        let what = format!("the subscription to {}", self.queue);
+        let close = self._channel.close(200, "weir: drained".into());
+        crate::transport::confirm_acks(SYSTEM, &what, close).await;
     }
 }
