@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::handler::Limits;
 use super::defaults;
+use super::handler::Limits;
 use super::units::{ByteSize, de_duration_opt};
 
 /// `[[tenant]]`: a tenant sharing the node with others.

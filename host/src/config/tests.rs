@@ -1,7 +1,7 @@
 use super::load::section_at;
 use super::*;
-use crate::retry::schedule::Violation;
 use crate::retry::schedule::Origin;
+use crate::retry::schedule::Violation;
 
 const DESIGN_EXAMPLE: &str = include_str!("../../tests/config/design-example.toml");
 
@@ -379,7 +379,10 @@ fn unknown_key_is_named_with_its_line_and_table() {
 
 #[test]
 fn bad_size_names_the_value_and_accepted_units() {
-    let text = base("").replace("[[handler]]", "[[handler]]\nname = \"x\"\ncomponent = \"x\"\ntopology = \"orders\"\nmessage_types = [\"b\"]\n\n[[handler]]") + "limits = { memory = \"64 megs\" }\n";
+    let text = base("").replace(
+        "[[handler]]",
+        "[[handler]]\nname = \"x\"\ncomponent = \"x\"\ntopology = \"orders\"\nmessage_types = [\"b\"]\n\n[[handler]]",
+    ) + "limits = { memory = \"64 megs\" }\n";
     let e = syntax(&text);
     assert!(e.contains("in handler[1]:"), "{e}");
     assert!(

@@ -59,7 +59,11 @@ pub(super) enum Bindings {
 }
 
 impl Bindings {
-    pub(super) fn call_handle(&self, store: &mut Store<HostState>, msg: &Envelope) -> wasmtime::Result<Result<(), Failure>> {
+    pub(super) fn call_handle(
+        &self,
+        store: &mut Store<HostState>,
+        msg: &Envelope,
+    ) -> wasmtime::Result<Result<(), Failure>> {
         match self {
             Bindings::V2(b) => b.call_handle(store, msg),
             Bindings::V1(b) => b.call_handle(store, msg),
