@@ -9,6 +9,8 @@
 //! an import, and a `pub use child::X` in a module is its face (it hands a
 //! name of its own part on), not an import: every other `use` and path is.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 

@@ -56,12 +56,6 @@ pub fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant) -> Take 
     Take::Batch(lane.queue.drain(..n).map(|q| q.d).collect(), reason)
 }
 
-/// The key of a group's lane: the FNV-1a hash of (tenant, group id), so two
-/// tenants' groups of the same name never share a lane (one tenant cannot
-/// hold another's messages behind its own). Without a tenant it is the hash
-/// of the group id alone (the same hash the slot function starts from). Two
-/// keys that collide share a lane and are serialised together: slower,
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

@@ -48,6 +48,11 @@ impl Lane {
     }
 }
 
+/// The key of a group's lane: the FNV-1a hash of (tenant, group id), so two
+/// tenants' groups of the same name never share a lane (one tenant cannot
+/// hold another's messages behind its own). Without a tenant it is the hash
+/// of the group id alone (the same hash the slot function starts from). Two
+/// keys that collide share a lane and are serialised together: slower,
 /// never unsafe.
 pub fn lane_key(tenant: Option<&str>, group: &str) -> u64 {
     match tenant {
