@@ -149,7 +149,9 @@ fn node_runtime(cache: Option<PathBuf>) -> RuntimeOptions {
 
 /// `WEIR_BENCH_POOL_INSTANCES`, when set to a number.
 fn bench_pool_instances() -> Option<u32> {
-    std::env::var("WEIR_BENCH_POOL_INSTANCES").ok().and_then(|v| v.parse().ok())
+    std::env::var("WEIR_BENCH_POOL_INSTANCES")
+        .ok()
+        .and_then(|v| v.parse().ok())
 }
 
 /// The same allocator as the `weir` binary, so the figures are the shipped host's.

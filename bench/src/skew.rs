@@ -12,9 +12,9 @@ use anyhow::{Context as _, bail};
 use serde_json::{Value, json};
 
 use weir::config::{self, Config};
-use weir::lanes::SettleObserver;
 use weir::node::{self, Node, NodeOptions};
-use weir::retry::capture::Outcome;
+use weir::outcome::Outcome;
+use weir::outcome::SettleObserver;
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 

@@ -13,9 +13,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::config::{self, Config, RetrySection};
 use crate::envelope::{self, header};
-use crate::ledger::{Ledger, SEQ_HEADER};
 use crate::node::{Node, NodeOptions};
-use crate::retry::capture::{Outcome, Reason};
+use crate::observe::ledger::{Ledger, SEQ_HEADER};
+use crate::outcome::{Outcome, Reason};
 use crate::transport::Transport;
 use crate::transport::memory::MemoryBroker;
 

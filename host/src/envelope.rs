@@ -2,7 +2,7 @@
 //! mapping every broker uses. Brokers carry a [`Wire`] form (headers + body);
 //! this module is the one place that turns one into the other.
 
-use crate::runtime::bindings::weir::handler::types::Message;
+use crate::bindings::weir::handler::types::Message;
 
 /// A message as the host handles it. It is the WIT record itself, so a call
 /// into a guest lowers it by reference without copying it first.

@@ -1,21 +1,68 @@
 //! Weir: a WebAssembly-hosted message-handler platform. This crate is the
-//! native host (`weir`): transports, slots, lanes, retries and the runtime
-//! that calls handlers compiled to WebAssembly components.
+//! native host (`weir`).
+//!
+//! The modules are listed in the order a message travels through them. A
+//! message arrives on a broker ([`transport`]) as an [`envelope`], is
+//! forwarded from the topology's ingress to the slot of its group
+//! ([`ingress`], [`partition`]), is routed to a handler version ([`router`]),
+//! waits in its group's lane and runs on a worker ([`dispatch`], [`runtime`]),
+//! and its [`outcome`] is settled on the broker exactly once ([`settle`],
+//! [`retry`]). Beside that path: what is counted and observed ([`observe`]),
+//! which versions are deployed ([`registry`]), which node runs which slot
+//! ([`cluster`]), the operator's HTTP face ([`admin`]), and the composition
+//! root that wires one node together ([`node`]). Each module imports only
+//! modules above it in the flow or leaves beside it, never `node`.
 
-pub mod admin;
-pub mod cluster;
+/// The config file: types, defaults, validation, units.
 pub mod config;
-pub mod demo;
+
+/// The generated WIT bindings of the handler world (the message record).
+pub mod bindings;
+
+/// A message and its wire form (headers + body).
 pub mod envelope;
-pub mod floor;
-pub mod journal;
-pub mod lanes;
-pub mod ledger;
-pub mod node;
+
+/// Which slot a group (or an id) belongs to.
 pub mod partition;
-pub mod registry;
-pub mod retry;
-pub mod router;
-pub mod runtime;
-pub mod stats;
+
+/// The broker seam: memory, RabbitMQ, NATS JetStream.
 pub mod transport;
+
+/// Ingress → slot queues, in order.
+pub mod ingress;
+
+/// (topology, tenant, message type) → handler version, batch rules.
+pub mod router;
+
+/// Slot runner, lanes, scheduling, batches, jobs, supervisor.
+pub mod dispatch;
+
+/// The Wasm engine, handler versions, workers, host imports.
+pub mod runtime;
+
+/// How a delivery ended, and who is told (a leaf).
+pub mod outcome;
+
+/// Outcome → ack, retry, cascades, dead-letter capture.
+pub mod settle;
+
+/// The retry ladder (pure arithmetic).
+pub mod retry;
+
+/// Counters, ledgers, the soak's journal.
+pub mod observe;
+
+/// Handler versions: deploy, rollback, store, cluster sync.
+pub mod registry;
+
+/// Who runs which slot: the coordinator modes.
+pub mod cluster;
+
+/// The admin HTTP listener: routes, auth, metrics.
+pub mod admin;
+
+/// The composition root: one running node.
+pub mod node;
+
+/// `weir demo`: a node on the in-memory broker.
+pub mod demo;

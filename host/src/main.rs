@@ -10,8 +10,8 @@ use clap::{Parser, Subcommand};
 use weir::cluster::postgres;
 use weir::config;
 use weir::demo::{self, DemoOptions};
-use weir::journal::{self, Journal};
 use weir::node::{self, Node, NodeOptions};
+use weir::observe::journal::{self, Journal};
 
 mod deploy;
 mod publish;
@@ -199,7 +199,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             runtime()?.block_on(async {
                 let transport = node::transport_for(&cfg)?;
                 let mut opts = NodeOptions::default();
-                // A cluster-wide ledger for multi-process tests (see weir::journal).
+                // A cluster-wide ledger for multi-process tests (see weir::observe::journal).
                 if let Some(path) = std::env::var_os(journal::ENV) {
                     let j = Arc::new(Journal::open(std::path::Path::new(&path), &cfg.node.name)?);
                     opts.call_observer = Some(j.clone());
@@ -268,7 +268,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let url = cfg.cluster.database_url.clone().unwrap_or_default();
             let status = runtime()?.block_on(async {
                 let pool = postgres::connect(&url).await?;
-                let mut status = postgres::status(&pool).await?;
+                let mut status = postgres::status::status(&pool).await?;
                 // Lag per slot from the broker; a broker that cannot answer leaves it unknown.
                 let transport = node::transport_for(&cfg)?;
                 for s in &mut status.slots {

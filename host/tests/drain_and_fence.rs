@@ -44,7 +44,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt as _;
 use weir::envelope::{Envelope, header};
-use weir::journal;
+use weir::observe::journal;
 use weir::partition;
 use weir::transport::Transport;
 use weir::transport::nats::{Nats, names};
@@ -653,7 +653,7 @@ fn a_fence_releases_in_order_and_spends_no_attempt_on_nats() {
 /// as failures reorders the groups and spends attempts.
 #[test]
 fn a_fence_that_fails_its_calls_is_caught_on_nats() {
-    let v = fence_and_takeover(&[(weir::lanes::NEGATIVE_CONTROL_CANCEL_FAILS, "1")]);
+    let v = fence_and_takeover(&[(weir::settle::decide::NEGATIVE_CONTROL_CANCEL_FAILS, "1")]);
     assert!(
         !v.violations.is_empty(),
         "the test cannot see a fence that fails its interrupted and queued calls"

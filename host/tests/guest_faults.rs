@@ -16,12 +16,12 @@ use parking_lot::Mutex;
 use sha2::Digest as _;
 use weir::config::{self, ByteSize, Config, RetrySection};
 use weir::envelope::{self, Envelope, Wire, header};
-use weir::lanes::SettleObserver;
 use weir::node::{self, Node, NodeOptions};
+use weir::observe::stats::{Snapshot, Stats};
+use weir::outcome::SettleObserver;
+use weir::outcome::{Outcome, Reason};
 use weir::partition;
-use weir::retry::capture::{Outcome, Reason};
 use weir::runtime::RuntimeOptions;
-use weir::stats::{Snapshot, Stats};
 use weir::transport::Transport;
 use weir::transport::memory::MemoryBroker;
 

@@ -22,7 +22,7 @@ use lapin::types::{AMQPValue, ByteArray, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use weir::config::TransportKind;
 use weir::envelope::{Envelope, Wire, header};
-use weir::retry::capture::{Outcome, Reason};
+use weir::outcome::{Outcome, Reason};
 use weir::transport::limits::{Limits, cut_marker};
 use weir::transport::nats::{Nats, NatsOptions, names as nats_names};
 use weir::transport::rabbitmq::{RabbitMq, names};

@@ -18,8 +18,8 @@ use common::rabbit::{Topo, url};
 use parking_lot::Mutex;
 use weir::config::{self, Config};
 use weir::envelope::{self, Envelope};
-use weir::ledger::{Ledger, SEQ_HEADER};
 use weir::node::{Node, NodeOptions, bundled};
+use weir::observe::ledger::{Ledger, SEQ_HEADER};
 use weir::runtime::CallObserver;
 use weir::transport::rabbitmq::RabbitMq;
 

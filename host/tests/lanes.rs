@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use weir::config::{self, Config, RetrySection};
+use weir::dispatch::LaneKind;
 use weir::envelope::{self, Envelope, Wire};
-use weir::lanes::LaneKind;
-use weir::ledger::{Ledger, SEQ_HEADER};
 use weir::node::{Node, NodeOptions, bundled};
-use weir::retry::capture::{Outcome, Reason};
+use weir::observe::ledger::{Ledger, SEQ_HEADER};
+use weir::outcome::{Outcome, Reason};
 use weir::runtime::CallObserver;
 use weir::transport::Transport;
 use weir::transport::memory::MemoryBroker;

@@ -1,6 +1,6 @@
 //! Multi-process clusters on the real NATS JetStream server: separate
 //! `weir run` processes, each writing a journal (the cross-process ledger,
-//! `weir::journal`), checked together with the same cluster assertions as
+//! `weir::observe::journal`), checked together with the same cluster assertions as
 //! the RabbitMQ suite (`common/cluster.rs`).
 //!
 //! - `static_cluster_of_three`: 3 nodes that own 2 of 6 slots each; no

@@ -24,8 +24,8 @@ use futures::StreamExt as _;
 use weir::config::TransportKind;
 use weir::envelope::{self, Envelope, header};
 use weir::node::{Node, NodeOptions};
+use weir::outcome::Outcome;
 use weir::partition;
-use weir::retry::capture::Outcome;
 use weir::runtime::RuntimeOptions;
 use weir::transport::nats::{Nats, NatsOptions, names};
 use weir::transport::{TopologySpec, Transport};
@@ -184,12 +184,8 @@ async fn retry_gaps_follow_the_backoff() {
     let mut h = start(2, &ladder, 5).await;
     let m = msg("retry", Some("r-1"), "x");
     h.publish(&m).await;
-    h.wait_for(
-        &m.id,
-        Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted),
-        secs(30),
-    )
-    .await;
+    h.wait_for(&m.id, Outcome::DeadLettered(weir::outcome::Reason::Exhausted), secs(30))
+        .await;
     let calls = h.obs.calls.of(&m.id);
     assert_eq!(calls.iter().map(|c| c.attempt).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
     for (i, rung) in ladder.iter().enumerate() {
@@ -288,12 +284,8 @@ async fn reject_is_dead_lettered_at_once() {
     let mut h = start(2, &[secs(1)], 3).await;
     let m = msg("reject", Some("rj"), "bad");
     h.publish(&m).await;
-    h.wait_for(
-        &m.id,
-        Outcome::DeadLettered(weir::retry::capture::Reason::Rejected),
-        secs(20),
-    )
-    .await;
+    h.wait_for(&m.id, Outcome::DeadLettered(weir::outcome::Reason::Rejected), secs(20))
+        .await;
     assert_eq!(h.obs.calls.of(&m.id).len(), 1, "a reject is not retried");
     let dead = read_dead_letters(&h.name, 1, secs(10)).await;
     let hd = &dead[0].headers;
@@ -328,12 +320,8 @@ async fn failed_capture_is_retried_until_the_dead_letter_stream_is_back() {
     })
     .await
     .unwrap();
-    h.wait_for(
-        &m.id,
-        Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted),
-        secs(20),
-    )
-    .await;
+    h.wait_for(&m.id, Outcome::DeadLettered(weir::outcome::Reason::Exhausted), secs(20))
+        .await;
     let settled = h.settled_of(&m.id);
     assert_eq!(settled[0], Outcome::RetryScheduled);
     assert!(

@@ -21,7 +21,7 @@ use futures::{FutureExt as _, StreamExt as _};
 use weir::config::{ClusterMode, TransportKind};
 use weir::envelope::{Envelope, header};
 use weir::node::{Node, NodeOptions};
-use weir::retry::capture::Outcome;
+use weir::outcome::Outcome;
 use weir::runtime::RuntimeOptions;
 use weir::transport::nats::{Nats, names};
 
@@ -244,7 +244,7 @@ async fn failures_are_counted_by_the_host_after_releases() {
     );
     assert_eq!(
         shared.obs.ledger.outcomes().get(&retry.id),
-        Some(&Outcome::DeadLettered(weir::retry::capture::Reason::Exhausted))
+        Some(&Outcome::DeadLettered(weir::outcome::Reason::Exhausted))
     );
 }
 

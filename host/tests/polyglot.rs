@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use weir::config::{self, Config, RetrySection};
 use weir::envelope::{self, Envelope, header};
-use weir::lanes::SettleObserver;
-use weir::ledger::Ledger;
 use weir::node::{Node, NodeOptions, bundled};
-use weir::retry::capture::{Outcome, Reason};
+use weir::observe::ledger::Ledger;
+use weir::outcome::SettleObserver;
+use weir::outcome::{Outcome, Reason};
 use weir::runtime::bindings::weir::handler::types::Failure;
 use weir::runtime::{
     BatchOutcome, CallObserver, CallOutcome, Executor, HandlerSettings, HandlerVersion, InstanceMode, Outgoing,

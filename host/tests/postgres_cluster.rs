@@ -1,6 +1,6 @@
 //! `cluster.mode = "postgres"` with separate `weir run` processes, the real
 //! PostgreSQL (a database per test) and RabbitMQ (a topology per test). Every
-//! node writes a journal (`weir::journal`); the journals are checked
+//! node writes a journal (`weir::observe::journal`); the journals are checked
 //! together for intra-group overlap and completeness. The failover and
 //! handoff tests run on NATS JetStream too (`*_nats`).
 //!
@@ -41,7 +41,7 @@ use common::nats::Topo as NatsTopo;
 use common::pg::{Proxy, TestDb};
 use common::rabbit::{Topo, url};
 use weir::envelope::Envelope;
-use weir::journal::{self, Report};
+use weir::observe::journal::{self, Report};
 use weir::partition;
 use weir::transport::Transport;
 use weir::transport::nats::Nats;

@@ -1,6 +1,6 @@
 //! Multi-process clusters on the real RabbitMQ: separate `weir run`
 //! processes, each writing a journal (the cross-process ledger,
-//! `weir::journal`), checked together for intra-group overlap anywhere in
+//! `weir::observe::journal`), checked together for intra-group overlap anywhere in
 //! the cluster, at-least-once completeness, groups staying on one slot and
 //! one owner, every slot used and every node working.
 //!

@@ -19,8 +19,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use weir::config::TransportKind;
 use weir::envelope::{self, Envelope, header};
+use weir::outcome::Outcome;
 use weir::partition;
-use weir::retry::capture::Outcome;
 use weir::transport::rabbitmq::{RabbitMq, names};
 
 use common::compliance::{self, Harness, Subject};

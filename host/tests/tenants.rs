@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use weir::config::{self, Config};
 use weir::envelope;
 use weir::node::{Node, NodeOptions, bundled};
-use weir::retry::capture::Reason;
+use weir::outcome::Reason;
 use weir::runtime::{CallObserver, RuntimeOptions};
 use weir::transport::memory::MemoryBroker;
 

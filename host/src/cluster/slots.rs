@@ -19,16 +19,13 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::lanes::{Pipeline, RunnerReport, SlotSettings};
+use crate::dispatch::supervisor::{self, CancelCell};
+use crate::dispatch::{Pipeline, RunnerReport, SlotSettings, TopologySettings};
 
 /// (topology, slot).
 pub type SlotKey = (String, u32);
 
-/// The running runner's cancel flag; replaced each time its supervisor
-/// starts a new runner (after a connection fault).
-pub type CancelCell = Arc<Mutex<Arc<AtomicBool>>>;
-
-/// What runs a slot until its stop turns true: `crate::node::supervise_slot`
+/// What runs a slot until its stop turns true: [`supervisor::supervise_slot`]
 /// in a node; a test's own runner in the unit tests.
 pub type Supervisor = Arc<
     dyn Fn(
@@ -62,31 +59,31 @@ type Map = Arc<Mutex<BTreeMap<SlotKey, Running>>>;
 /// See the module docs.
 pub struct SlotSet {
     pipeline: Arc<Pipeline>,
-    /// Settings per topology; the slot number is filled in at start.
-    templates: HashMap<String, SlotSettings>,
+    /// How the slots of each topology run.
+    topologies: HashMap<String, TopologySettings>,
     running: Map,
     generations: std::sync::atomic::AtomicU64,
     supervisor: Supervisor,
 }
 
 impl SlotSet {
-    /// A set with nothing running; each slot runs `crate::node::supervise_slot`.
-    pub fn new(pipeline: Arc<Pipeline>, templates: HashMap<String, SlotSettings>) -> Self {
+    /// A set with nothing running; each slot runs [`supervisor::supervise_slot`].
+    pub fn new(pipeline: Arc<Pipeline>, topologies: HashMap<String, TopologySettings>) -> Self {
         let supervisor: Supervisor =
-            Arc::new(|p, s, stop, cancel| Box::pin(crate::node::supervise_slot(p, s, stop, cancel)));
-        Self::with_supervisor(pipeline, templates, supervisor)
+            Arc::new(|p, s, stop, cancel| Box::pin(supervisor::supervise_slot(p, s, stop, cancel)));
+        Self::with_supervisor(pipeline, topologies, supervisor)
     }
 
     /// A set whose slots run `supervisor` (tests).
     #[doc(hidden)]
     pub fn with_supervisor(
         pipeline: Arc<Pipeline>,
-        templates: HashMap<String, SlotSettings>,
+        topologies: HashMap<String, TopologySettings>,
         supervisor: Supervisor,
     ) -> Self {
         Self {
             pipeline,
-            templates,
+            topologies,
             running: Arc::default(),
             generations: std::sync::atomic::AtomicU64::new(0),
             supervisor,
@@ -95,7 +92,7 @@ impl SlotSet {
 
     /// Start consuming `key` (no-op if it runs or its topology is unknown).
     pub fn start(&self, key: &SlotKey) -> bool {
-        let Some(template) = self.templates.get(&key.0) else {
+        let Some(topology) = self.topologies.get(&key.0) else {
             tracing::error!(topology = %key.0, slot = key.1, "asked to run a slot of a topology this node does not have");
             return false;
         };
@@ -103,9 +100,7 @@ impl SlotSet {
         if running.contains_key(key) {
             return false;
         }
-        let mut settings = template.clone();
-        settings.slot = key.1;
-        settings.counters = self.pipeline.stats.slot(&settings.topology, key.1);
+        let settings = topology.for_slot(key.1, self.pipeline.stats.slot(&topology.topology, key.1));
         let (stop, stop_rx) = watch::channel(false);
         let cancel: CancelCell = Arc::new(Mutex::new(Arc::new(AtomicBool::new(false))));
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
@@ -239,10 +234,8 @@ mod tests {
             stats: Arc::default(),
             observer: None,
         });
-        let settings = SlotSettings {
+        let settings = TopologySettings {
             topology: Arc::from("t"),
-            slot: 0,
-            counters: Arc::default(),
             slots: 2,
             max_concurrent_groups: 1,
             max_unordered: 1,

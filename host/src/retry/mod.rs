@@ -1,5 +1,5 @@
-//! Retries and dead letters: the pure ladder arithmetic ([`schedule`]) and
-//! the confirmed capture that settles a failed delivery ([`capture`]).
+//! Retries: the pure ladder arithmetic ([`schedule`]): which delivery waits
+//! how long, when the ladder is exhausted, and whether a broker can serve it.
+//! Settlement ([`crate::settle`]) climbs it.
 
-pub mod capture;
 pub mod schedule;

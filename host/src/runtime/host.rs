@@ -15,10 +15,10 @@ use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use super::bindings::weir::handler::host::Host;
-use super::bindings::weir::handler::types::{Host as TypesHost, Level};
 use super::stdio::CallLog;
 use super::{CallBudgets, HandlerSettings};
+use crate::bindings::weir::handler::host::Host;
+use crate::bindings::weir::handler::types::{Host as TypesHost, Level};
 use crate::envelope::{self, Envelope};
 
 /// A message published by a guest during the current call.
@@ -298,7 +298,7 @@ impl Host for HostState {
 
 /// The 0.1.0 world's imports: the same as 0.2.0's, without `begin-member`
 /// (so every publish of its `handle-batch` belongs to the whole batch).
-impl super::bindings::v0_1::weir::handler::host::Host for HostState {
+impl crate::bindings::v0_1::weir::handler::host::Host for HostState {
     fn log(&mut self, level: Level, text: String) -> wasmtime::Result<()> {
         Host::log(self, level, text)
     }

@@ -13,7 +13,26 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::envelope::{DecodeError, Envelope, Wire};
+use crate::envelope::{self, DecodeError, Envelope, Wire};
+use crate::partition;
+
+/// `url` with its credentials hidden, for logs and errors: the user
+/// information (everything of the authority before its last `@`, so a
+/// password holding an unescaped `@` stays hidden) becomes `***`. An `@` in
+/// the path, query or fragment is not a credential and is left alone.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let authority_start = scheme_end + 3;
+    let authority_end = url[authority_start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| authority_start + i);
+    match url[authority_start..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..authority_start], &url[authority_start + at..]),
+        None => url.to_owned(),
+    }
+}
 
 /// Negative control for the drain tests, never for production: with this
 /// environment variable set to `1` a drained subscription and the node's
@@ -91,8 +110,11 @@ pub async fn confirm_acks<E: std::fmt::Display>(
 pub enum ErrorKind {
     /// The connection or channel is gone.
     Connection,
-    /// The broker refused (nack, negative confirm, missing object).
+    /// The broker refused (nack, negative confirm, an object it does not have).
     Refused,
+    /// The stream a consumer is bound on does not exist (deleted, or a
+    /// server that lost its store): declaring the topology again mends it.
+    Missing,
     /// No answer in time.
     Timeout,
     /// Already settled, or the consumer that received it is gone.
@@ -320,7 +342,7 @@ pub trait Transport: Send + Sync + 'static {
 
     /// The ack floor of every slot consumer this transport watches
     /// (JetStream); empty for brokers without one. Observe only.
-    fn ack_floor(&self) -> Vec<crate::floor::FloorState> {
+    fn ack_floor(&self) -> Vec<crate::transport::nats::floor::FloorState> {
         Vec::new()
     }
 
@@ -329,4 +351,39 @@ pub trait Transport: Send + Sync + 'static {
     /// the process exits. Called last by `Node::shutdown`; the default has
     /// nothing to do.
     async fn close(&self) {}
+}
+
+/// The slot of `env` in a topology of `slots` slots: that of its group, or
+/// of its id when it has none.
+pub fn slot_of(env: &Envelope, slots: u32) -> u32 {
+    partition::slot_for(env.group(), &env.id, slots)
+}
+
+/// Publish `env` through `transport` to the slot of its group (or of its id
+/// when it has none), waiting for the broker's confirm: the one place a
+/// message is placed on a slot (ingress, cascades, `Node::publish`).
+pub async fn publish_to_slot(
+    transport: &dyn Transport,
+    topology: &str,
+    slots: u32,
+    env: &Envelope,
+) -> Result<(), TransportError> {
+    transport
+        .publish(topology, slot_of(env, slots), envelope::encode(env))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn redaction_hides_the_user_information_only() {
+        assert_eq!(redact_url("amqp://guest:pw@host:5672/%2f"), "amqp://***@host:5672/%2f");
+        assert_eq!(redact_url("postgres://u:p@ss@db/weir"), "postgres://***@db/weir");
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(redact_url("nats://host:4222/a@b"), "nats://host:4222/a@b");
+        assert_eq!(redact_url("amqp://host/vhost?x=a@b"), "amqp://host/vhost?x=a@b");
+        assert_eq!(redact_url("no scheme u:p@host"), "no scheme u:p@host");
+    }
 }

@@ -1,6 +1,6 @@
 //! Clusters of real `weir run` processes for the multi-node tests: each node
 //! gets its own config file, log file and journal (the cross-process ledger,
-//! `weir::journal`) in one scratch directory. Nodes are stopped with SIGTERM
+//! `weir::observe::journal`) in one scratch directory. Nodes are stopped with SIGTERM
 //! (drain) or SIGKILL (crash); any node still running when the cluster is
 //! dropped is killed, so a failing test leaves no process behind. The
 //! cluster assertions every transport must pass live here too
@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use weir::envelope::Envelope;
-use weir::journal::{self, Report};
+use weir::observe::journal::{self, Report};
 use weir::partition;
 use weir::transport::Transport;
 

@@ -13,12 +13,12 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use weir::config::{self, Config, RetrySection, TransportKind};
 use weir::envelope::{Envelope, Wire};
-use weir::floor::FloorState;
-use weir::ledger::Ledger;
 use weir::node::{Node, NodeOptions, bundled};
+use weir::observe::ledger::Ledger;
+use weir::outcome::Outcome;
 use weir::partition;
-use weir::retry::capture::Outcome;
 use weir::runtime::{CallObserver, RuntimeOptions};
+use weir::transport::nats::floor::FloorState;
 use weir::transport::{Delivery, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 
 /// One delivery as the recording transport saw it.
@@ -190,7 +190,7 @@ impl LedgerSettle {
     }
 }
 
-impl weir::lanes::SettleObserver for LedgerSettle {
+impl weir::outcome::SettleObserver for LedgerSettle {
     fn settled(&self, id: &str, outcome: Outcome) {
         self.0.ledger.settled(id, outcome);
         self.1.lock().push((id.to_owned(), outcome));

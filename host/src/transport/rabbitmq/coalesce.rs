@@ -226,7 +226,7 @@ impl Coalescer {
         }
         if let Some(error) = first_error {
             tracing::warn!(
-                messaging.system = super::SYSTEM,
+                messaging.system = super::wire::SYSTEM,
                 queue = %self.queue,
                 failed_acks = lost,
                 error,

@@ -1,0 +1,312 @@
+//! `GET /metrics`: the counters in Prometheus text, encoded at scrape time.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry as Metrics;
+
+use super::state::AdminState;
+use crate::cluster::slots::SlotSet;
+use crate::observe::stats::Stats;
+use crate::outcome::Reason;
+use crate::registry::Caller;
+use crate::transport::Transport;
+
+pub(super) async fn metrics(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Err(d) = s.auth.operator(&headers) {
+        return d.into_response();
+    }
+    let mut registry = Metrics::with_prefix("weir");
+    registry.register_collector(Box::new(Scrape {
+        handlers: s.registry.clone(),
+        stats: s.stats.clone(),
+        slots: s.slots.clone(),
+        transport: s.transport.clone(),
+    }));
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics: {e}\n")).into_response(),
+    }
+}
+
+/// Reads the counters at scrape time.
+struct Scrape {
+    handlers: Arc<crate::registry::Registry>,
+    stats: Arc<Stats>,
+    slots: Arc<SlotSet>,
+    transport: Arc<dyn Transport>,
+}
+
+impl std::fmt::Debug for Scrape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scrape")
+    }
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    labels: &[(&str, &str, u64)],
+) -> std::fmt::Result {
+    let probe = ConstCounter::new(0u64);
+    let mut m = encoder.encode_descriptor(name, help, None, probe.metric_type())?;
+    for (key, value, n) in labels {
+        let labels = [(*key, *value)];
+        ConstCounter::new(*n).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for Scrape {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let s = self.stats.snapshot();
+        counter(
+            &mut encoder,
+            "messages",
+            "Settled deliveries by outcome.",
+            &[
+                ("outcome", "handled", s.handled),
+                ("outcome", "retry-scheduled", s.retry_scheduled),
+                ("outcome", "dead-lettered", s.dead_lettered.iter().map(|(_, n)| n).sum()),
+                ("outcome", "stranded", s.stranded),
+                ("outcome", "uncertain", s.uncertain),
+                ("outcome", "requeued", s.requeued),
+                ("outcome", "released", s.released),
+            ],
+        )?;
+        let reasons: Vec<(Reason, u64)> = s.dead_lettered.to_vec();
+        let by_reason: Vec<(&str, &str, u64)> = reasons.iter().map(|(r, n)| ("reason", r.as_str(), *n)).collect();
+        counter(
+            &mut encoder,
+            "dead_letters",
+            "Dead-letter captures by reason.",
+            &by_reason,
+        )?;
+        let flushes: Vec<(&str, &str, u64)> = s
+            .batch_flushes
+            .iter()
+            .map(|(r, n)| ("reason", r.as_str(), *n))
+            .collect();
+        counter(
+            &mut encoder,
+            "batches",
+            "Batches handed to handle-batch, by why they ran.",
+            &flushes,
+        )?;
+        let bounds: Vec<String> = s
+            .batch_sizes
+            .iter()
+            .map(|(b, _)| {
+                if *b == u64::MAX {
+                    "+Inf".to_owned()
+                } else {
+                    b.to_string()
+                }
+            })
+            .collect();
+        let sizes: Vec<(&str, &str, u64)> = s
+            .batch_sizes
+            .iter()
+            .zip(&bounds)
+            .map(|((_, n), b)| ("size_at_most", b.as_str(), *n))
+            .collect();
+        counter(
+            &mut encoder,
+            "batches_by_size",
+            "Batches by size bucket (members, inclusive upper bound; not cumulative).",
+            &sizes,
+        )?;
+        for (name, help, n) in [
+            (
+                "batch_members",
+                "Members of every batch handed to handle-batch.",
+                s.batch_members,
+            ),
+            (
+                "batch_replays",
+                "Batches whose call trapped or timed out, replayed member by member.",
+                s.batch_replays,
+            ),
+            (
+                "batch_released",
+                "Members of unstarted batches returned to the broker by a drain.",
+                s.batch_released,
+            ),
+            (
+                "ack_failures",
+                "Acks whose confirmation failed (the message may come again).",
+                s.ack_failures,
+            ),
+            ("cascaded", "Messages published by handlers, confirmed.", s.cascaded),
+            (
+                "guest_faults",
+                "Guest calls that trapped, timed out or were interrupted.",
+                s.faults,
+            ),
+            (
+                "runner_panics",
+                "Slot runner jobs that panicked (caught; the runner restarted).",
+                s.runner_panics,
+            ),
+        ] {
+            let c = ConstCounter::new(n);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        {
+            let probe = ConstGauge::new(1i64);
+            let mut m = encoder.encode_descriptor(
+                "handler_version_info",
+                "The version each handler runs now (sha256 of the component).",
+                None,
+                probe.metric_type(),
+            )?;
+            for h in self.handlers.list(&Caller::Operator) {
+                let tenant = h.tenant.clone().unwrap_or_default();
+                let labels = [
+                    ("handler", h.name.as_str()),
+                    ("tenant", tenant.as_str()),
+                    ("digest", h.current.digest.as_str()),
+                    ("source", h.current.source.as_str()),
+                ];
+                ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let handler_metrics = self.handlers.metrics();
+        {
+            let probe = ConstCounter::new(0u64);
+            let mut m = encoder.encode_descriptor(
+                "handler_messages",
+                "Settled deliveries by handler, tenant and outcome.",
+                None,
+                probe.metric_type(),
+            )?;
+            for (name, tenant, hm) in &handler_metrics {
+                for (outcome, n) in hm.outcomes.snapshot() {
+                    let labels = [
+                        ("handler", *name),
+                        ("tenant", tenant.unwrap_or("")),
+                        ("outcome", outcome),
+                    ];
+                    ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+                }
+            }
+        }
+        {
+            let probe = ConstCounter::new(0u64);
+            let mut m = encoder.encode_descriptor(
+                "slot_messages",
+                "Settled deliveries by topology, slot and outcome.",
+                None,
+                probe.metric_type(),
+            )?;
+            for ((topology, slot), counters) in self.stats.slots() {
+                let slot = slot.to_string();
+                for (outcome, n) in counters.snapshot() {
+                    let labels = [("topology", &*topology), ("slot", slot.as_str()), ("outcome", outcome)];
+                    ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+                }
+            }
+        }
+        for (name, help, pick) in [
+            (
+                "lane_depth",
+                "Deliveries taken from the broker and waiting in a slot's lanes.",
+                0usize,
+            ),
+            (
+                "lanes_running",
+                "Lanes (groups) of a slot with a call running or queued for a worker.",
+                1,
+            ),
+        ] {
+            let probe = ConstGauge::new(0i64);
+            let mut m = encoder.encode_descriptor(name, help, None, probe.metric_type())?;
+            for ((topology, slot), counters) in self.stats.slots() {
+                let slot = slot.to_string();
+                let (queued, running) = counters.depth();
+                let v = if pick == 0 { queued } else { running };
+                let labels = [("topology", &*topology), ("slot", slot.as_str())];
+                ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let probe = ConstGauge::new(0i64);
+            let mut m = encoder.encode_descriptor(
+                "handler_calls_in_flight",
+                "Guest calls running now, by handler.",
+                None,
+                probe.metric_type(),
+            )?;
+            for (name, tenant, hm) in &handler_metrics {
+                let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
+                ConstGauge::new(hm.in_flight()).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut m = encoder.encode_descriptor(
+                "handler_call_duration_seconds",
+                "Guest call durations (handle and handle-batch), by handler.",
+                None,
+                prometheus_client::metrics::MetricType::Histogram,
+            )?;
+            for (name, tenant, hm) in &handler_metrics {
+                let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
+                let (sum, count, buckets) = hm.durations();
+                let mut family = m.encode_family(&labels)?;
+                family.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
+            }
+        }
+        let swaps = ConstCounter::new(self.handlers.swaps());
+        swaps.encode(encoder.encode_descriptor(
+            "handler_swaps",
+            "Deploys and rollbacks that changed a handler's version on this node.",
+            None,
+            swaps.metric_type(),
+        )?)?;
+        let refused = ConstCounter::new(self.handlers.refused());
+        refused.encode(encoder.encode_descriptor(
+            "handler_deploys_refused",
+            "Deploys refused (invalid, too large, grants refused, store failed); the running version stayed.",
+            None,
+            refused.metric_type(),
+        )?)?;
+        let owned = ConstGauge::new(i64::try_from(self.slots.running().len()).unwrap_or(i64::MAX));
+        owned.encode(encoder.encode_descriptor(
+            "slots_owned",
+            "Slots this node consumes now.",
+            None,
+            owned.metric_type(),
+        )?)?;
+        let floors = self.transport.ack_floor();
+        if !floors.is_empty() {
+            let probe = ConstGauge::new(0.0f64);
+            let mut m = encoder.encode_descriptor(
+                "ack_floor_stall_seconds",
+                "How long a JetStream slot consumer's ack floor has stood still while it had delivered past it (0: not stalled).",
+                None,
+                probe.metric_type(),
+            )?;
+            for f in floors {
+                let slot = f.slot.to_string();
+                let labels = [("topology", f.topology.as_str()), ("slot", slot.as_str())];
+                ConstGauge::new(f.stalled_for.as_secs_f64()).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,219 @@
+//! Each route's answer: readiness, slots, handlers, deploys, rollbacks.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+use super::error::{deploy_error, error_body};
+use super::state::AdminState;
+use super::upload::{closing, refuse, spool};
+use crate::cluster::status::{SlotStatus, Status};
+use crate::registry::{DeployError, DirGrant, Grants, Upload};
+
+pub(super) async fn ready(State(s): State<Arc<AdminState>>) -> Response {
+    let failing = s.stats.failing();
+    if !failing.is_empty() {
+        let slots: Vec<String> = failing.iter().map(|((t, n), why)| format!("{t}/{n}: {why}")).collect();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: slot runner failed, restarting: {}\n", slots.join("; ")),
+        )
+            .into_response();
+    }
+    if s.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: starting, fenced or stopping\n",
+        )
+            .into_response()
+    }
+}
+
+/// The slots as `weir status --json` shows them: the coordinator's view in
+/// `postgres` mode, else this node's own slots; lag from the broker.
+pub async fn slot_status(s: &AdminState) -> anyhow::Result<Status> {
+    let mut status = match s.coordinator.status().await? {
+        Some(status) => status,
+        None => Status {
+            nodes: Vec::new(),
+            slots: s
+                .slots
+                .running()
+                .into_iter()
+                .map(|(topology, slot)| SlotStatus {
+                    topology,
+                    slot,
+                    owner: Some(s.node.clone()),
+                    epoch: 0,
+                    state: "assigned".into(),
+                    lag: None,
+                })
+                .collect(),
+        },
+    };
+    for slot in &mut status.slots {
+        match s.transport.backlog(&slot.topology, slot.slot).await {
+            Ok(lag) => slot.lag = lag,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read slot backlogs");
+                break;
+            }
+        }
+    }
+    Ok(status)
+}
+
+pub(super) async fn slots(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Err(d) = s.auth.operator(&headers) {
+        return d.into_response();
+    }
+    match slot_status(&s).await {
+        Ok(status) => axum::Json(status).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cannot read the slots: {e:#}\n"),
+        )
+            .into_response(),
+    }
+}
+
+pub(super) async fn handlers(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    match s.auth.reader(&headers) {
+        Ok(caller) => axum::Json(serde_json::json!({ "handlers": s.registry.list(&caller) })).into_response(),
+        Err(d) => d.into_response(),
+    }
+}
+
+pub(super) async fn handler(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let caller = match s.auth.reader(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    if let Err(e) = s.registry.access(&caller, &name) {
+        return deploy_error(e);
+    }
+    match s.registry.list(&caller).into_iter().find(|h| h.name == name) {
+        Some(h) => axum::Json(h).into_response(),
+        None => deploy_error(DeployError::UnknownHandler(name)),
+    }
+}
+
+/// `?env=NAME&dir=GUEST:HOST`, repeatable; `None` when neither is given.
+fn parse_grants(query: Option<&str>) -> Result<Option<Grants>, String> {
+    let Some(q) = query.filter(|q| !q.is_empty()) else {
+        return Ok(None);
+    };
+    let mut g = Grants::default();
+    let mut any = false;
+    for (k, v) in form_urlencoded::parse(q.as_bytes()) {
+        match &*k {
+            "env" => {
+                any = true;
+                g.env.push(v.into_owned());
+            }
+            "dir" => {
+                any = true;
+                let (guest, host) = v
+                    .split_once(':')
+                    .ok_or_else(|| format!("dir={v:?}: accepted: GUEST:HOST, e.g. /data:/srv/acme/data"))?;
+                g.dirs.push(DirGrant {
+                    guest: guest.to_owned(),
+                    host: host.into(),
+                });
+            }
+            "grants" if v == "none" => any = true,
+            other => {
+                return Err(format!(
+                    "unknown query parameter {other:?}; accepted: env, dir, grants=none"
+                ));
+            }
+        }
+    }
+    Ok(any.then_some(g))
+}
+
+pub(super) async fn deploy(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let caller = match s.auth.writer(&headers) {
+        Ok(c) => c,
+        Err(d) => return refuse(body, &s.limits, d.into_response()).await,
+    };
+    if let Err(e) = s.registry.access(&caller, &name) {
+        return refuse(body, &s.limits, deploy_error(e)).await;
+    }
+    let grants = match parse_grants(query.as_deref()) {
+        Ok(g) => g,
+        Err(e) => {
+            return refuse(
+                body,
+                &s.limits,
+                (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
+            )
+            .await;
+        }
+    };
+    let max = s.limits.max_upload;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|n| *n > max as u64) {
+        let too_large = deploy_error(DeployError::TooLarge {
+            size: usize::try_from(n).unwrap_or(usize::MAX),
+            max,
+        });
+        return refuse(body, &s.limits, too_large).await;
+    }
+    let _permit = match s.limits.admit(&caller) {
+        Ok(p) => p,
+        Err(busy) => return refuse(body, &s.limits, *busy).await,
+    };
+    let spooled = match spool(body, &s.limits).await {
+        Ok(f) => f,
+        Err(refused) => return closing(refused),
+    };
+    let upload = Upload::File {
+        path: spooled.path.clone(),
+        size: spooled.size,
+    };
+    let result = s.registry.deploy_from(&caller, &name, upload, grants, "admin").await;
+    drop(spooled);
+    match result {
+        Ok(d) => axum::Json(d).into_response(),
+        Err(e) => {
+            tracing::warn!(handler = %name, error = %e, "deploy refused; the running version stays");
+            deploy_error(e)
+        }
+    }
+}
+
+/// `response`, and close the connection after it (the rest of a request
+/// body is not read).
+pub(super) async fn rollback(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let caller = match s.auth.writer(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    match s.registry.rollback(&caller, &name).await {
+        Ok(d) => axum::Json(d).into_response(),
+        Err(e) => deploy_error(e),
+    }
+}

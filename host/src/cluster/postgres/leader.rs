@@ -1,0 +1,184 @@
+//! The leader: one node at a time (by lease row) removes expired nodes,
+//! assigns free slots ([`crate::cluster::assign`]) and asks owners to hand
+//! slots over, each pass in one transaction that re-checks the lease first.
+
+use std::collections::HashSet;
+
+use anyhow::Context as _;
+use sqlx::Row as _;
+use uuid::Uuid;
+
+use super::listen::notify;
+use super::{Member, REASSIGN_MARGIN, secs};
+use crate::cluster::assign;
+
+impl Member {
+    /// Take or keep the leader lease; true while this node leads.
+    pub(super) async fn try_lead(&self, id: Uuid) -> anyhow::Result<bool> {
+        let row = sqlx::query(
+            "INSERT INTO weir_leader (id, node_id, term, lease_until) VALUES (1, $1, 1, now() + make_interval(secs => $2)) \
+             ON CONFLICT (id) DO UPDATE SET node_id = EXCLUDED.node_id, lease_until = EXCLUDED.lease_until, \
+                 term = weir_leader.term + CASE WHEN weir_leader.node_id = EXCLUDED.node_id THEN 0 ELSE 1 END \
+             WHERE weir_leader.node_id = EXCLUDED.node_id OR weir_leader.lease_until < now() \
+             RETURNING term",
+        )
+        .bind(id)
+        .bind(secs(self.lease))
+        .fetch_optional(&self.pool)
+        .await
+        .context("taking the leader lease")?;
+        Ok(row.is_some())
+    }
+
+    /// One leader pass, in one transaction that re-checks leadership first.
+    pub(super) async fn lead(&self, id: Uuid) -> anyhow::Result<()> {
+        let mut tx = self.pool.begin().await.context("leader: begin")?;
+        // The leader row locked, and the transaction bounded: a node that
+        // stalls inside it (its network, its process) is cut off by the
+        // server, which frees every row it locked for the others.
+        let still = sqlx::query(
+            "SELECT set_config('idle_in_transaction_session_timeout', $2, true) FROM weir_leader \
+             WHERE id = 1 AND node_id = $1 AND lease_until > now() FOR UPDATE",
+        )
+        .bind(id)
+        .bind(self.idle_in_transaction())
+        .fetch_optional(&mut *tx)
+        .await?;
+        if still.is_none() {
+            return Ok(());
+        }
+        for (t, s) in &self.all_slots {
+            sqlx::query("INSERT INTO weir_slots (topology, slot) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                .bind(t)
+                .bind(i32::try_from(*s).unwrap_or(i32::MAX))
+                .execute(&mut *tx)
+                .await?;
+        }
+        let expired: Vec<Uuid> = sqlx::query(
+            "DELETE FROM weir_nodes WHERE lease_until < now() - make_interval(secs => $1) RETURNING node_id",
+        )
+        .bind(secs(REASSIGN_MARGIN))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(|r| r.get::<Uuid, _>(0))
+        .collect();
+        if !expired.is_empty() {
+            let freed = sqlx::query(
+                "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = ANY($1)",
+            )
+            .bind(&expired)
+            .execute(&mut *tx)
+            .await?;
+            tracing::warn!(nodes = ?expired, slots = freed.rows_affected(), "leader: nodes whose lease expired were removed; their slots are free");
+        }
+        // Every registered node, whether its lease is live and whether it is
+        // leaving, in one read. `FOR SHARE`: a node marking itself leaving
+        // waits for this pass to commit, so it sees (and releases) whatever
+        // this pass gives it.
+        let nodes: Vec<(Uuid, bool, bool)> =
+            sqlx::query("SELECT node_id, lease_until > now(), leaving FROM weir_nodes ORDER BY node_id FOR SHARE")
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1), r.get::<bool, _>(2)))
+                .collect();
+        // Nodes that may be given slots: live and not leaving.
+        let live: Vec<Uuid> = nodes
+            .iter()
+            .filter(|(_, l, leaving)| *l && !*leaving)
+            .map(|(n, ..)| *n)
+            .collect();
+        let registered: HashSet<Uuid> = nodes.iter().map(|(n, ..)| *n).collect();
+        // Registered, lease expired (not yet by the margin): may be fencing.
+        let expiring: HashSet<Uuid> = nodes.iter().filter(|(_, l, _)| !*l).map(|(n, ..)| *n).collect();
+        let rows = sqlx::query(
+            "SELECT topology, slot, owner, epoch, state, target FROM weir_slots ORDER BY topology, slot FOR UPDATE",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        struct SlotRow {
+            topology: String,
+            slot: i32,
+            owner: Option<Uuid>,
+            state: String,
+            target: Option<Uuid>,
+        }
+        let rows: Vec<SlotRow> = rows
+            .iter()
+            .map(|r| SlotRow {
+                topology: r.get(0),
+                slot: r.get(1),
+                owner: r.get(2),
+                state: r.get(4),
+                target: r.get(5),
+            })
+            .collect();
+        let live_set: HashSet<Uuid> = live.iter().copied().collect();
+        // A slot whose owner's lease expired, but not yet by the margin, is
+        // left alone: that owner may still be fencing itself. A leaving
+        // owner keeps its slots until it releases them, to the target set
+        // here when there is one.
+        let current: Vec<Option<Uuid>> = rows.iter().map(|r| r.owner.filter(|o| live_set.contains(o))).collect();
+        let desired = assign::assign(&live, &current);
+        let mut changed = false;
+        for (row, want) in rows.iter().zip(desired) {
+            let pinned = row.owner.is_some_and(|o| expiring.contains(&o));
+            if pinned || row.owner == want {
+                continue;
+            }
+            // An owner that is no longer registered left (after draining) or
+            // was removed (after fencing): nothing of it runs. Its slot
+            // would otherwise wait for a release that never comes.
+            if let Some(gone) = row.owner.filter(|o| !registered.contains(o)) {
+                sqlx::query(
+                    "UPDATE weir_slots SET owner = $4, epoch = epoch + CASE WHEN $4::uuid IS NULL THEN 0 ELSE 1 END, \
+                         state = CASE WHEN $4::uuid IS NULL THEN 'free' ELSE 'assigned' END, target = NULL, changed_at = now() \
+                     WHERE topology = $1 AND slot = $2 AND owner = $3",
+                )
+                .bind(&row.topology)
+                .bind(row.slot)
+                .bind(gone)
+                .bind(want)
+                .execute(&mut *tx)
+                .await?;
+                changed = true;
+                tracing::warn!(topology = %row.topology, slot = row.slot, gone = %gone, owner = ?want, "leader: the slot's owner is no longer registered; slot reassigned");
+                continue;
+            }
+            match (row.owner, want) {
+                (None, Some(node)) => {
+                    sqlx::query(
+                        "UPDATE weir_slots SET owner = $3, epoch = epoch + 1, state = 'assigned', target = NULL, changed_at = now() \
+                         WHERE topology = $1 AND slot = $2 AND owner IS NULL",
+                    )
+                    .bind(&row.topology)
+                    .bind(row.slot)
+                    .bind(node)
+                    .execute(&mut *tx)
+                    .await?;
+                    changed = true;
+                    tracing::info!(topology = %row.topology, slot = row.slot, owner = %node, "leader: slot assigned");
+                }
+                (Some(_), Some(node)) if row.state == "assigned" || row.target != Some(node) => {
+                    sqlx::query(
+                        "UPDATE weir_slots SET state = 'releasing', target = $3, changed_at = now() WHERE topology = $1 AND slot = $2",
+                    )
+                    .bind(&row.topology)
+                    .bind(row.slot)
+                    .bind(node)
+                    .execute(&mut *tx)
+                    .await?;
+                    changed = true;
+                    tracing::info!(topology = %row.topology, slot = row.slot, from = ?row.owner, to = %node, "leader: asked the owner to release the slot");
+                }
+                _ => {}
+            }
+        }
+        if changed || !expired.is_empty() {
+            notify(&mut *tx).await?;
+        }
+        tx.commit().await.context("leader: commit")?;
+        Ok(())
+    }
+}

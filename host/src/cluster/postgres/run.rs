@@ -1,0 +1,250 @@
+//! The coordinator loop of `postgres` mode (see the module docs of
+//! [`super`]): renew, fence, lead, reconcile every tick; leave on stop.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::handoff::{fence, fence_all};
+use super::listen::Wakeups;
+use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, TICK, Tick, bounded, fence_margin, step};
+use crate::cluster::coordinator::{Coordinator, Start};
+use crate::cluster::status::Status;
+use crate::config::Config;
+
+/// `cluster.mode = "postgres"`: slots are assigned by the coordinator
+/// database; nothing runs until this node is given some.
+pub struct Postgres {
+    pool: PgPool,
+    name: String,
+    lease: Duration,
+    drain_deadline: Duration,
+}
+
+impl Postgres {
+    /// This node's membership over `pool` (connected and migrated).
+    pub fn new(pool: PgPool, config: &Config) -> Self {
+        Self {
+            pool,
+            name: config.node.name.clone(),
+            lease: config.cluster.lease,
+            drain_deadline: config.cluster.drain_deadline(),
+        }
+    }
+}
+
+#[async_trait]
+impl Coordinator for Postgres {
+    /// The coordinator starts slots as it is assigned them.
+    fn initial_slots(&self, _slots: u32) -> Vec<u32> {
+        Vec::new()
+    }
+
+    /// Ready once the lease is renewed.
+    fn ready_at_start(&self) -> bool {
+        false
+    }
+
+    fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
+        let member = Member::new(
+            self.pool.clone(),
+            &self.name,
+            self.lease,
+            self.drain_deadline,
+            start.all,
+            start.slots,
+            start.ready,
+        );
+        Some(tokio::spawn(run(member, start.stop)))
+    }
+
+    async fn status(&self) -> anyhow::Result<Option<Status>> {
+        super::status::status(&self.pool).await.map(Some)
+    }
+}
+
+/// Where a node is in its leaving sequence (after `stop`).
+struct Leaving {
+    /// When the stop came.
+    since: Instant,
+    /// The `leaving` mark is in the database.
+    marked: bool,
+    /// The drain deadline passed: every call was interrupted.
+    interrupted: bool,
+}
+
+/// Run the coordinator until `stop`; then leave: mark the node leaving,
+/// drain and release every slot (interrupting the calls still running at
+/// `cluster.drain_deadline`), deregister. The lease is renewed throughout,
+/// and the node fences itself whenever it cannot renew in time, leaving or
+/// not.
+pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+    let mut st = Tick {
+        node_id: c.register().await?,
+        renewed: Some(Instant::now()),
+        fenced: false,
+        leader: false,
+        releasing: HashMap::new(),
+        epochs: HashMap::new(),
+        owned: 0,
+    };
+    tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
+    let fence_after = if std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1") {
+        tracing::error!(
+            "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
+        );
+        c.lease + TICK * 3
+    } else {
+        c.lease.saturating_sub(fence_margin(c.lease))
+    };
+    let mut listener = Wakeups::default();
+    let mut leaving: Option<Leaving> = None;
+    loop {
+        // The fencing deadline: the last renewal sent + lease − margin
+        // (none while fenced: there is nothing left to fence).
+        let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
+        let drain_at = leaving
+            .as_ref()
+            .filter(|l| !l.interrupted)
+            .map(|l| l.since + c.drain_deadline);
+        if fence_at.is_some_and(|f| Instant::now() >= f) {
+            fence(&c, &mut st, fence_after).await;
+        } else if drain_at.is_some_and(|d| Instant::now() >= d) {
+            if let Some(l) = leaving.as_mut() {
+                l.interrupted = true;
+            }
+            tracing::warn!(node = %c.name, deadline = ?c.drain_deadline, running = ?c.slots.running(), "drain deadline: interrupting the calls still running (they are released, not failed)");
+            c.slots.interrupt_all();
+        }
+        if let Some(l) = &leaving {
+            let done =
+                st.fenced || (l.marked && st.owned == 0 && st.releasing.is_empty() && c.slots.running().is_empty());
+            if done {
+                break;
+            }
+            // A lease after the deadline the interrupted calls have ended;
+            // a runner still not done waits on something else (the broker).
+            // Give up: stop renewing without freeing anything, so the
+            // leader frees the slots only once the lease (and the margin)
+            // ran out, by which time this process has exited.
+            if l.interrupted && l.since.elapsed() >= c.drain_deadline + c.lease {
+                let stuck = c.slots.running();
+                tracing::error!(node = %c.name, slots = ?stuck, "drain deadline + lease passed and these slots still drain; exiting without releasing them (the leader frees them when this node's lease expires)");
+                for (_, h) in st.releasing.drain() {
+                    h.abort();
+                }
+                c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                anyhow::bail!("{} slots did not finish draining: {stuck:?}", stuck.len());
+            }
+        }
+        let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
+        let give_up_at = leaving
+            .as_ref()
+            .filter(|l| l.interrupted)
+            .map(|l| l.since + c.drain_deadline + c.lease);
+        let wake_at = [fence_at, drain_at, give_up_at].into_iter().flatten().min();
+        listener.ensure(&c, fence_at).await;
+        tokio::select! {
+            _ = tokio::time::sleep(TICK) => {}
+            () = listener.next() => {}
+            () = sleep_until(wake_at) => continue,
+            changed = stop.changed(), if leaving.is_none() => {
+                if changed.is_err() || *stop.borrow() {
+                    tracing::info!(node = %c.name, drain_deadline = ?c.drain_deadline, "leaving the cluster: draining every slot, renewing the lease until done");
+                    c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                    leaving = Some(Leaving { since: Instant::now(), marked: false, interrupted: false });
+                }
+            }
+        }
+        let sent = Instant::now();
+        match step(&c, fence_at, c.renew(st.node_id)).await {
+            Ok(true) => {
+                if st.fenced {
+                    tracing::info!(node = %c.name, "database reachable again; lease renewed");
+                }
+                st.renewed = Some(sent);
+                st.fenced = false;
+                if leaving.is_none() {
+                    c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            Ok(false) => {
+                // Expired: whatever we held may be someone else's now.
+                tracing::warn!(node = %c.name, id = %st.node_id, "this node's lease had expired; stopping every slot and registering again as a new node");
+                fence_all(&c, &mut st).await;
+                if leaving.is_some() {
+                    break;
+                }
+                match step(&c, None, c.register()).await {
+                    Ok(id) => {
+                        st.node_id = id;
+                        st.renewed = Some(sent);
+                        st.fenced = false;
+                        tracing::info!(node = %c.name, id = %id, "registered again");
+                    }
+                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "registering again failed; retrying"),
+                }
+                continue;
+            }
+            Err(e) => tracing::warn!(node = %c.name, error = %format!("{e:#}"), "lease renewal failed"),
+        }
+        if st.renewed.is_none_or(|r| r.elapsed() >= fence_after) {
+            fence(&c, &mut st, fence_after).await;
+            continue;
+        }
+        let fence_at = st.renewed.map(|r| r + fence_after);
+        if let Some(l) = leaving.as_mut().filter(|l| !l.marked) {
+            match step(&c, fence_at, c.mark_leaving(st.node_id)).await {
+                Ok(()) => l.marked = true,
+                Err(e) => {
+                    tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying")
+                }
+            }
+        }
+        // A leaving node keeps the leadership it has (and its duties) but
+        // does not take it.
+        if leaving.is_none() || st.leader {
+            match step(&c, fence_at, c.try_lead(st.node_id)).await {
+                Ok(lead) => {
+                    if lead != st.leader {
+                        tracing::info!(node = %c.name, leader = lead, "leadership changed");
+                    }
+                    st.leader = lead;
+                    if lead && let Err(e) = step(&c, fence_at, c.lead(st.node_id)).await {
+                        tracing::warn!(error = %format!("{e:#}"), "leader pass failed");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "leader lease check failed"),
+            }
+        }
+        if let Err(e) = step(&c, fence_at, c.reconcile(&mut st, leaving.is_some())).await {
+            tracing::warn!(error = %format!("{e:#}"), "reconciling this node's slots failed");
+        }
+    }
+    // Every slot is drained (or fenced): give up what is left and the
+    // registration. Bounded: a database that does not answer lets the lease
+    // expire, and the leader frees the slots then.
+    for (_, h) in st.releasing.drain() {
+        h.abort();
+    }
+    c.slots.fence_all().await;
+    match bounded(c.db_timeout() * 2, c.leave(st.node_id)).await {
+        Ok(()) => tracing::info!(node = %c.name, "left the cluster: slots freed for the others"),
+        Err(e) => {
+            tracing::warn!(node = %c.name, error = %format!("{e:#}"), "could not leave the cluster cleanly; the leader frees this node's slots when its lease expires")
+        }
+    }
+    Ok(())
+}
+
+/// Sleep until `at`; never returns without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,563 @@
+//! Validation of a whole config: every key checked against the others, errors and warnings that
+//! name the key.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+
+use super::load::ConfigError;
+use super::tenant::TenantBudgets;
+use super::{ClusterMode, Config, TransportKind, defaults};
+use crate::retry::schedule::{CheckContext, Violation};
+
+/// Collects violations during validation.
+#[derive(Default)]
+struct Issues(Vec<Violation>);
+
+impl Issues {
+    fn add(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Violation {
+            key: key.into(),
+            message: message.into(),
+        });
+    }
+}
+
+fn is_broker_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
+}
+
+fn is_handler_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+impl Config {
+    /// Checks everything that can be checked without a broker. Errors stop the start; the
+    /// warnings (retry rules that do not reject, unused keys) are returned for logging.
+    pub fn validate(&self) -> Result<Vec<Violation>, ConfigError> {
+        let mut errors = Issues::default();
+        let mut warnings = Vec::new();
+        self.validate_node_transport_cluster(&mut errors, &mut warnings);
+        self.validate_topologies(&mut errors, &mut warnings);
+        self.validate_handlers(&mut errors);
+        self.validate_tenants(&mut errors);
+        if errors.0.is_empty() {
+            Ok(warnings)
+        } else {
+            Err(ConfigError::Invalid {
+                origin: self.origin.clone(),
+                issues: errors.0,
+            })
+        }
+    }
+
+    fn validate_node_transport_cluster(&self, errors: &mut Issues, warnings: &mut Vec<Violation>) {
+        if self.node.name.trim().is_empty() {
+            errors.add(
+                "node.name",
+                "is empty; accepted: any non-empty name, unique in the cluster",
+            );
+        }
+        let b = &self.node.budgets;
+        for (key, value) in [
+            ("node.budgets.cascade_bytes", b.cascade_bytes.bytes()),
+            ("node.budgets.log_bytes", b.log_bytes.bytes()),
+            ("node.budgets.log_lines", u64::from(b.log_lines)),
+            ("node.budgets.log_line_bytes", b.log_line_bytes.bytes()),
+        ] {
+            if value == 0 {
+                errors.add(
+                    key,
+                    "is 0; accepted: a positive size or count (or remove it for the default)",
+                );
+            }
+        }
+        if b.error_bytes.bytes() < 128 {
+            errors.add(
+                "node.budgets.error_bytes",
+                format!(
+                    "{} is too small to keep a first line and the cut marker; accepted: 128B or more",
+                    b.error_bytes
+                ),
+            );
+        }
+        if let Some(n) = self.node.instance_pool
+            && !(1..=defaults::INSTANCE_POOL_MAX).contains(&n)
+        {
+            errors.add(
+                "node.instance_pool",
+                format!("{n} is out of range; accepted: 1 to {}", defaults::INSTANCE_POOL_MAX),
+            );
+        }
+        let n = &self.node;
+        for (key, d) in [
+            ("node.admin_header_timeout", n.admin_header_timeout),
+            ("node.admin_body_timeout", n.admin_body_timeout),
+            ("node.admin_idle_timeout", n.admin_idle_timeout),
+        ] {
+            if d.is_zero() {
+                errors.add(key, "is 0s; accepted: a positive duration such as \"10s\"");
+            }
+        }
+        for (key, v) in [
+            ("node.admin_max_connections", n.admin_max_connections),
+            ("node.admin_max_uploads", n.admin_max_uploads),
+            ("node.admin_max_uploads_per_caller", n.admin_max_uploads_per_caller),
+        ] {
+            if v == 0 {
+                errors.add(key, "is 0; accepted: 1 or more");
+            }
+        }
+        let t = &self.transport;
+        let kind = t.kind.as_str();
+        match (t.kind, t.url.as_deref().map(str::trim)) {
+            (TransportKind::Rabbitmq, None | Some("")) => errors.add(
+                "transport.url",
+                "is required for kind = \"rabbitmq\", e.g. url = \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
+            ),
+            (TransportKind::Rabbitmq, Some(url)) if !(url.starts_with("amqp://") || url.starts_with("amqps://")) => {
+                errors.add(
+                    "transport.url",
+                    format!("{url:?} is not an AMQP URL; accepted: amqp://… or amqps://…"),
+                )
+            }
+            (TransportKind::Nats, None | Some("")) => errors.add(
+                "transport.url",
+                "is required for kind = \"nats\", e.g. url = \"nats://127.0.0.1:4222\"",
+            ),
+            (TransportKind::Memory, Some(_)) => warnings.push(Violation {
+                key: "transport.url".into(),
+                message: "is ignored by kind = \"memory\"".into(),
+            }),
+            _ => {}
+        }
+        if t.prefetch == 0 {
+            errors.add(
+                "transport.prefetch",
+                "is 0, which would deliver nothing; accepted: 1 or more",
+            );
+        }
+
+        let c = &self.cluster;
+        let mode = match c.mode {
+            ClusterMode::Solo => "solo",
+            ClusterMode::Static => "static",
+            ClusterMode::Postgres => "postgres",
+            ClusterMode::RabbitmqSac => "rabbitmq-sac",
+        };
+        match (c.mode, &c.owned_slots) {
+            (ClusterMode::Static, None) => errors.add(
+                "cluster.owned_slots",
+                "is required in static mode: the slots this node consumes, e.g. owned_slots = [0, 1]",
+            ),
+            (ClusterMode::Static, Some(slots)) => {
+                if slots.is_empty() {
+                    errors.add(
+                        "cluster.owned_slots",
+                        "is empty; a static node must own at least one slot, e.g. [0]",
+                    );
+                }
+                let mut seen = HashSet::new();
+                for (j, slot) in slots.iter().enumerate() {
+                    if !seen.insert(slot) {
+                        errors.add(
+                            format!("cluster.owned_slots[{j}]"),
+                            format!("slot {slot} is listed twice"),
+                        );
+                    }
+                    for t in &self.topology {
+                        if *slot >= t.slots {
+                            errors.add(
+                                format!("cluster.owned_slots[{j}]"),
+                                format!(
+                                    "slot {slot} does not exist in topology {:?}, which has {} slots; \
+                                     accepted: 0 to {}",
+                                    t.name,
+                                    t.slots,
+                                    t.slots.saturating_sub(1)
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            (_, Some(_)) => errors.add(
+                "cluster.owned_slots",
+                format!("is only read in static mode, not in mode = {mode:?}; remove it or set mode = \"static\""),
+            ),
+            _ => {}
+        }
+        match (c.mode, c.database_url.as_deref().map(str::trim)) {
+            (ClusterMode::Postgres, None | Some("")) => errors.add(
+                "cluster.database_url",
+                "is required in postgres mode, e.g. database_url = \"postgres://postgres@127.0.0.1/weir\"",
+            ),
+            (ClusterMode::Postgres, _) | (_, None) => {}
+            (_, Some(_)) => errors.add(
+                "cluster.database_url",
+                format!("is only read in postgres mode, not in mode = {mode:?}; remove it or set mode = \"postgres\""),
+            ),
+        }
+        if c.mode == ClusterMode::RabbitmqSac && t.kind != TransportKind::Rabbitmq {
+            errors.add(
+                "cluster.mode",
+                format!("\"rabbitmq-sac\" needs transport.kind = \"rabbitmq\", not {kind:?}; accepted with {kind:?}: solo, static or postgres"),
+            );
+        }
+        if c.lease.is_zero() {
+            errors.add("cluster.lease", "is 0s; accepted: a positive duration such as \"5s\"");
+        }
+        if c.drain_deadline() < c.lease {
+            errors.add(
+                "cluster.drain_deadline",
+                format!(
+                    "is {:?}, shorter than cluster.lease ({:?}): a crashed node keeps its slots for a lease, a stopping one should not get less; accepted: a duration of at least {:?}",
+                    c.drain_deadline(), c.lease, c.lease
+                ),
+            );
+        }
+    }
+
+    fn validate_topologies(&self, errors: &mut Issues, warnings: &mut Vec<Violation>) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, t) in self.topology.iter().enumerate() {
+            let key = format!("topology[{i}]");
+            if !is_broker_name(&t.name) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!("{:?} cannot name broker objects; accepted: lowercase letters, digits, '_' and '-' ([a-z0-9_-]+)", t.name),
+                );
+            }
+            if let Some(first) = names.insert(&t.name, i) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is already the name of topology[{first}]; topology names are unique",
+                        t.name
+                    ),
+                );
+            }
+            if t.slots == 0 {
+                errors.add(format!("{key}.slots"), "is 0; accepted: 1 or more");
+            }
+            if t.max_concurrent_groups == 0 {
+                errors.add(
+                    format!("{key}.max_concurrent_groups"),
+                    "is 0, which would run nothing; accepted: 1 or more",
+                );
+            }
+            if t.max_unordered == 0 {
+                errors.add(
+                    format!("{key}.max_unordered"),
+                    "is 0, which would never run messages without a group id; accepted: 1 or more",
+                );
+            }
+            let report = t
+                .schedule(self.transport.kind, None)
+                .check(&CheckContext::new(Self::retry_key(i)));
+            errors.0.extend(report.errors);
+            warnings.extend(report.warnings);
+        }
+    }
+
+    fn validate_tenants(&self, errors: &mut Issues) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut tokens: HashMap<&str, String> = HashMap::new();
+        if let Some(t) = &self.node.admin_token {
+            if t.trim().is_empty() {
+                errors.add(
+                    "node.admin_token",
+                    "is empty; accepted: a secret of at least 16 characters",
+                );
+            }
+            tokens.insert(t.as_str(), "node.admin_token".into());
+        }
+        for (i, t) in self.tenant.iter().enumerate() {
+            let key = format!("tenant[{i}]");
+            if t.name.trim().is_empty() {
+                errors.add(
+                    format!("{key}.name"),
+                    "is empty; accepted: the tenant id its messages carry",
+                );
+            }
+            if let Some(first) = names.insert(&t.name, i) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is already the name of tenant[{first}]; tenant names are unique",
+                        t.name
+                    ),
+                );
+            }
+            if let Some(token) = &t.token {
+                if token.trim().is_empty() {
+                    errors.add(
+                        format!("{key}.token"),
+                        "is empty; accepted: a secret of at least 16 characters",
+                    );
+                } else if let Some(other) = tokens.insert(token.as_str(), format!("{key}.token")) {
+                    errors.add(
+                        format!("{key}.token"),
+                        format!("is the same as {other}; every token must be different"),
+                    );
+                }
+            }
+            if t.limits.concurrency == Some(0) {
+                errors.add(
+                    format!("{key}.limits.concurrency"),
+                    "is 0; accepted: 1 or more calls at once",
+                );
+            }
+            if t.limits.fuel == Some(0) {
+                errors.add(
+                    format!("{key}.limits.fuel"),
+                    "is 0; accepted: a positive amount, or remove it",
+                );
+            }
+            self.validate_tenant_budgets(&key, &t.budgets, errors);
+        }
+        for (i, h) in self.handler.iter().enumerate() {
+            if h.limits.fuel == Some(0) {
+                errors.add(
+                    format!("handler[{i}].limits.fuel"),
+                    "is 0; accepted: a positive amount, or remove it",
+                );
+            }
+            let Some(tenant) = h.tenant.as_deref().and_then(|n| self.tenant(n)) else {
+                continue;
+            };
+            for (k, message) in tenant.check_handler_limits(&h.limits) {
+                errors.add(format!("handler[{i}].limits.{k}"), message);
+            }
+            let preopens: Vec<(String, PathBuf, bool)> = h
+                .wasi
+                .preopens
+                .iter()
+                .map(|p| (p.guest.clone(), p.host.clone(), p.read_only))
+                .collect();
+            for (k, message) in tenant.check_grants(&h.wasi.env, &preopens) {
+                errors.add(format!("handler[{i}].wasi.{k}"), message);
+            }
+            if h.wasi.network {
+                errors.add(
+                    format!("handler[{i}].wasi.network"),
+                    format!("tenant {:?} handlers may not open sockets; remove it", tenant.name),
+                );
+            }
+        }
+    }
+
+    /// `tenant[i].budgets`: positive, an error budget that holds its marker, and per call
+    /// not above the node's unless `above_node`.
+    fn validate_tenant_budgets(&self, key: &str, t: &TenantBudgets, errors: &mut Issues) {
+        let node = &self.node.budgets;
+        let sizes = [
+            ("cascade_bytes", t.cascade_bytes, node.cascade_bytes),
+            ("log_bytes", t.log_bytes, node.log_bytes),
+            ("log_line_bytes", t.log_line_bytes, node.log_line_bytes),
+            ("error_bytes", t.error_bytes, node.error_bytes),
+        ];
+        for (name, value, at_node) in sizes {
+            let Some(value) = value else { continue };
+            let k = format!("{key}.budgets.{name}");
+            if value.bytes() == 0 {
+                errors.add(k, "is 0; accepted: a positive size (or remove it for the node's)");
+            } else if name == "error_bytes" && value.bytes() < 128 {
+                errors.add(
+                    k,
+                    format!("{value} is too small to keep a first line and the cut marker; accepted: 128B or more"),
+                );
+            } else if value > at_node && !t.above_node {
+                errors.add(
+                    k,
+                    format!(
+                        "{value} is above node.budgets.{name} ({at_node}); accepted: at most that, \
+                         or set {key}.budgets.above_node = true"
+                    ),
+                );
+            }
+        }
+        if let Some(lines) = t.log_lines {
+            let k = format!("{key}.budgets.log_lines");
+            if lines == 0 {
+                errors.add(k, "is 0; accepted: a positive count (or remove it for the node's)");
+            } else if lines > node.log_lines && !t.above_node {
+                errors.add(
+                    k,
+                    format!(
+                        "{lines} is above node.budgets.log_lines ({}); accepted: at most that, \
+                         or set {key}.budgets.above_node = true",
+                        node.log_lines
+                    ),
+                );
+            }
+        }
+        if t.log_bytes_per_second.is_some_and(|b| b.bytes() == 0) {
+            errors.add(
+                format!("{key}.budgets.log_bytes_per_second"),
+                "is 0; accepted: a positive size (or remove it for no limit over time)",
+            );
+        }
+        if t.log_lines_per_second == Some(0) {
+            errors.add(
+                format!("{key}.budgets.log_lines_per_second"),
+                "is 0; accepted: a positive count (or remove it for no limit over time)",
+            );
+        }
+    }
+
+    fn validate_handlers(&self, errors: &mut Issues) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        // (topology, tenant, message type) → (handler index, key)
+        let mut bound: HashMap<(&str, Option<&str>, &str), (usize, String)> = HashMap::new();
+        for (i, h) in self.handler.iter().enumerate() {
+            let key = format!("handler[{i}]");
+            if !is_handler_name(&h.name) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is not a handler name; accepted: letters, digits, '_', '-' and '.'",
+                        h.name
+                    ),
+                );
+            }
+            if let Some(first) = names.insert(&h.name, i) {
+                errors.add(
+                    format!("{key}.name"),
+                    format!(
+                        "{:?} is already the name of handler[{first}]; handler names are unique",
+                        h.name
+                    ),
+                );
+            }
+            if h.component.as_os_str().is_empty() {
+                errors.add(
+                    format!("{key}.component"),
+                    "is empty; accepted: the path of a .wasm component",
+                );
+            }
+            if self.topology(&h.topology).is_none() {
+                let known: Vec<&str> = self.topology.iter().map(|t| t.name.as_str()).collect();
+                errors.add(
+                    format!("{key}.topology"),
+                    format!(
+                        "{:?} is not a [[topology]] name; accepted: one of {known:?}",
+                        h.topology
+                    ),
+                );
+            }
+            if let Some(tenant) = &h.tenant
+                && tenant.trim().is_empty()
+            {
+                errors.add(
+                    format!("{key}.tenant"),
+                    "is empty; remove it to bind every tenant, or name one",
+                );
+            }
+            let batch_types = h.batch.as_ref().map_or(&[][..], |b| b.message_types.as_slice());
+            if h.message_types.is_empty() && batch_types.is_empty() {
+                errors.add(
+                    format!("{key}.message_types"),
+                    "is empty and there is no batch.message_types: the handler would receive nothing; \
+                     accepted: at least one message type, e.g. [\"order.placed\"]",
+                );
+            }
+            let lists = [
+                ("message_types", h.message_types.as_slice()),
+                ("batch.message_types", batch_types),
+            ];
+            for (field, types) in lists {
+                for (k, ty) in types.iter().enumerate() {
+                    let type_key = format!("{key}.{field}[{k}]");
+                    if ty.trim().is_empty() {
+                        errors.add(type_key, "is empty; accepted: a message type such as \"order.placed\"");
+                        continue;
+                    }
+                    let slot = (h.topology.as_str(), h.tenant.as_deref(), ty.as_str());
+                    if let Some((other, other_key)) = bound.get(&slot) {
+                        let tenant = h
+                            .tenant
+                            .as_deref()
+                            .map_or("any tenant".to_string(), |t| format!("tenant {t:?}"));
+                        errors.add(
+                            type_key,
+                            format!(
+                                "{ty:?} in topology {:?} for {tenant} is already bound by {other_key} (handler[{other}]); \
+                                 each (topology, tenant, message type) goes to one handler: remove one binding \
+                                 or set a different tenant",
+                                h.topology
+                            ),
+                        );
+                    } else {
+                        bound.insert(slot, (i, type_key));
+                    }
+                }
+            }
+            if let Some(b) = &h.batch {
+                if b.message_types.is_empty() {
+                    errors.add(
+                        format!("{key}.batch.message_types"),
+                        "is empty; accepted: the message types to batch, or remove batch",
+                    );
+                }
+                if b.size == 0 {
+                    errors.add(format!("{key}.batch.size"), "is 0; accepted: 1 or more");
+                }
+            }
+            let l = &h.limits;
+            if l.memory.0 == 0 {
+                errors.add(
+                    format!("{key}.limits.memory"),
+                    "is 0; accepted: a size such as \"64MiB\"",
+                );
+            }
+            if l.timeout.is_zero() {
+                errors.add(
+                    format!("{key}.limits.timeout"),
+                    "is 0s; accepted: a positive duration such as \"5s\"",
+                );
+            }
+            if l.instances == 0 {
+                errors.add(
+                    format!("{key}.limits.instances"),
+                    "is 0, which would run nothing; accepted: 1 or more",
+                );
+            }
+            if let Some(stack) = l.max_stack
+                && stack.0 == 0
+            {
+                errors.add(
+                    format!("{key}.limits.max_stack"),
+                    "is 0; accepted: a size such as \"512KiB\", or remove it",
+                );
+            }
+            for (k, name) in h.wasi.env.iter().enumerate() {
+                if name.is_empty() || name.contains('=') || name.contains('\0') {
+                    errors.add(
+                        format!("{key}.wasi.env[{k}]"),
+                        format!("{name:?} is not an environment variable name; accepted: a name such as \"RUST_LOG\" (no '=')"),
+                    );
+                }
+            }
+            for (k, p) in h.wasi.preopens.iter().enumerate() {
+                if p.host.as_os_str().is_empty() {
+                    errors.add(
+                        format!("{key}.wasi.preopens[{k}].host"),
+                        "is empty; accepted: a host directory",
+                    );
+                }
+                if p.guest.trim().is_empty() {
+                    errors.add(
+                        format!("{key}.wasi.preopens[{k}].guest"),
+                        "is empty; accepted: a guest path such as \"/data\"",
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! A job: what one worker runs for a lane. Admit each delivery (route it,
+//! or capture what cannot run), take the admission permits, call the
+//! handler (or `handle-batch`, replayed member by member when it fails), and
+//! hand every outcome to [`crate::settle`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::bindings::weir::handler::types::Failure;
+use crate::envelope::Envelope;
+use crate::observe::stats::FlushReason;
+use crate::outcome::Reason;
+use crate::retry::schedule::{Redelivery, Schedule};
+use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion};
+use crate::settle::Pending;
+use crate::settle::capture::capture_envelope;
+use crate::settle::cascades::publish_cascades;
+use crate::settle::decide::settle_all;
+use crate::transport::Delivery;
+
+use super::{Pipeline, SlotSettings};
+
+/// On a broker that counts deliveries itself (JetStream), a delivery past
+/// the handler's last only retries the dead-letter capture of a message whose
+/// capture failed (`Role::CaptureRetry`): returns the handler's last delivery
+/// when `attempt` is such a one.
+fn capture_retry(schedule: &Schedule, attempt: u32) -> Option<u32> {
+    if !matches!(schedule.redelivery(), Redelivery::JetStream { .. }) {
+        return None;
+    }
+    schedule.handler_deliveries().filter(|last| attempt > *last)
+}
+
+/// Take a delivery into a call: a delivery kept in reserve for a capture
+/// retry, or one with no handler, is captured here (and `None` returned);
+/// otherwise the message and what settling it needs.
+async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope, Pending)> {
+    let Delivery {
+        message,
+        source,
+        tag,
+        acker,
+    } = d;
+    // Undecodable deliveries never reach a lane.
+    let env = message.ok()?;
+    if let Some(last) = capture_retry(&s.schedule, env.attempt) {
+        let error = format!(
+            "delivery {} comes after the handler's last ({last}): it is kept in reserve to retry a \
+             dead-letter capture that failed, so the handler does not run again",
+            env.attempt
+        );
+        let cx = p.slot(s);
+        let outcome = capture_envelope(&cx, &env, acker, Reason::Exhausted, &error, &source, None, tag).await;
+        cx.record(None, &env.id, outcome);
+        return None;
+    }
+    match p.router.route(&s.topology, &env) {
+        Some(handler) => Some((
+            env,
+            Pending {
+                acker,
+                source,
+                tag,
+                handler,
+            },
+        )),
+        None => {
+            let error = format!(
+                "no handler for message type `{}` (tenant {}) in topology `{}`",
+                env.message_type,
+                env.tenant_id.as_deref().unwrap_or("none"),
+                s.topology
+            );
+            let cx = p.slot(s);
+            let outcome = capture_envelope(&cx, &env, acker, Reason::NoHandler, &error, &source, None, tag).await;
+            cx.record(None, &env.id, outcome);
+            None
+        }
+    }
+}
+
+/// Admission per handler (`limits.instances`) and per tenant
+/// (`tenant.limits.concurrency`), acquired in one global order (handlers by
+/// version id, then tenants by name) so two lanes can never each hold what
+/// the other waits for.
+async fn admission<'a>(
+    handlers: impl Iterator<Item = &'a Arc<HandlerVersion>>,
+) -> Vec<tokio::sync::OwnedSemaphorePermit> {
+    let mut handlers: Vec<&Arc<HandlerVersion>> = handlers.collect();
+    handlers.sort_by_key(|h| h.id);
+    handlers.dedup_by_key(|h| h.id);
+    let mut tenants: Vec<&crate::runtime::TenantShare> = handlers
+        .iter()
+        .filter_map(|h| h.tenant())
+        .filter(|t| t.permits.is_some())
+        .collect();
+    tenants.sort_by(|a, b| a.name.cmp(&b.name));
+    tenants.dedup_by(|a, b| a.name == b.name);
+    let mut permits = Vec::with_capacity(handlers.len() + tenants.len());
+    let sems = handlers
+        .iter()
+        .map(|h| (h.name(), &h.permits))
+        .chain(tenants.iter().filter_map(|t| Some((&*t.name, t.permits.as_ref()?))));
+    for (name, sem) in sems {
+        match sem.clone().acquire_owned().await {
+            Ok(permit) => permits.push(permit),
+            Err(_) => tracing::error!(handler = name, "admission closed"),
+        }
+    }
+    permits
+}
+
+/// [`admit`] each delivery, in order: the messages that go to a handler
+/// and, at the same index, what settling each needs.
+async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<Envelope>, Vec<Pending>) {
+    let mut envs = Vec::with_capacity(run.len());
+    let mut pending = Vec::with_capacity(run.len());
+    for d in run {
+        if let Some((env, pend)) = admit(p, s, d).await {
+            envs.push(env);
+            pending.push(pend);
+        }
+    }
+    (envs, pending)
+}
+
+/// Call `handle` for each item in order on one worker. `None` when the pool
+/// is gone (process shutting down): the deliveries are then neither acked
+/// nor captured, so the broker redelivers them.
+async fn call_each(
+    p: &Pipeline,
+    items: Vec<(Arc<HandlerVersion>, Envelope)>,
+    cancel: Arc<AtomicBool>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    match p.pool.run_each(items, Some(cancel)).await {
+        Ok(o) => Some(o),
+        Err(e) => {
+            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
+            None
+        }
+    }
+}
+
+/// Run one lane's messages (in order, on one worker) and settle each.
+pub(super) async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
+    let (envs, pending) = admit_all(&p, &s, run).await;
+    if envs.is_empty() {
+        return;
+    }
+    if let Some(i) = &s.inject_panic {
+        i.fire(&envs);
+    }
+    let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
+    let permits = admission(pending.iter().map(|x| &x.handler)).await;
+    let Some(outcomes) = call_each(&p, items, cancel).await else {
+        return;
+    };
+    drop(permits);
+    settle_all(&p.slot(&s), outcomes, pending).await;
+}
+
+/// Run batches (each of one tenant, group and handler, in order) through
+/// `handle-batch`, all on one worker, then settle each member by its own
+/// result. A call that traps or times out gives no results: its members are
+/// replayed one at a time through `handle`, unchanged (group, tenant,
+/// attempt), and settled by those calls. A cancelled call releases its
+/// members.
+pub(super) async fn run_batches(
+    p: Arc<Pipeline>,
+    s: Arc<SlotSettings>,
+    cancel: Arc<AtomicBool>,
+    batches: Vec<(Vec<Delivery>, FlushReason)>,
+) {
+    let mut calls = Vec::with_capacity(batches.len());
+    let mut pendings = Vec::with_capacity(batches.len());
+    for (members, reason) in batches {
+        let (batch, pending) = admit_all(&p, &s, members).await;
+        // Every member routes to the same handler; one version runs them
+        // all (a swap between two lookups must not split the batch).
+        let Some(handler) = pending.first().map(|x| x.handler.clone()) else {
+            continue;
+        };
+        p.stats.record_batch(batch.len(), reason);
+        calls.push((handler, batch));
+        pendings.push(pending);
+    }
+    if calls.is_empty() {
+        return;
+    }
+    let permits = admission(calls.iter().map(|(h, _)| h)).await;
+    let handlers: Vec<Arc<HandlerVersion>> = calls.iter().map(|(h, _)| h.clone()).collect();
+    let results = match p.pool.run_batches(calls, Some(cancel.clone())).await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(error = %e, "worker pool unavailable; leaving batch members unsettled");
+            return;
+        }
+    };
+    let mut settled = Vec::with_capacity(results.len());
+    for ((batch, outcome), handler) in results.into_iter().zip(handlers) {
+        let Some(outcomes) = batch_outcomes(&p, &s, &handler, batch, outcome, &cancel).await else {
+            return;
+        };
+        settled.push(outcomes);
+    }
+    drop(permits);
+    for (outcomes, pending) in settled.into_iter().zip(pendings) {
+        settle_all(&p.slot(&s), outcomes, pending).await;
+    }
+}
+
+/// One outcome per member of a batch call: its own result with its own
+/// cascades (published by [`settle`] before that member's ack, so a member
+/// that answered `retry` or `reject` sends nothing), the replay's result after
+/// a trap or timeout, or the cancellation. A call that published for the
+/// whole batch (before naming a member: every 0.1.0 component) sends those
+/// cascades before any ack when every member succeeded, and is replayed
+/// member by member through `handle` otherwise, since nobody can tell whose
+/// they were. `None` when the pool is gone.
+async fn batch_outcomes(
+    p: &Arc<Pipeline>,
+    s: &Arc<SlotSettings>,
+    handler: &Arc<HandlerVersion>,
+    batch: Vec<Envelope>,
+    outcome: BatchOutcome,
+    cancel: &Arc<AtomicBool>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    match outcome {
+        BatchOutcome::Done {
+            results, unattributed, ..
+        } if !unattributed.is_empty() && !results.iter().all(Result::is_ok) => {
+            p.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                handler = handler.name(),
+                group = batch.first().and_then(|e| e.group()),
+                members = batch.len(),
+                unattributed = unattributed.len(),
+                "handle-batch published for no member in particular (no begin-member first) and not every \
+                 member succeeded; replaying its members one at a time through handle"
+            );
+            let items = batch.into_iter().map(|env| (handler.clone(), env)).collect();
+            call_each(p, items, cancel.clone()).await
+        }
+        BatchOutcome::Done {
+            results,
+            published,
+            unattributed,
+        } => {
+            // Whole-batch cascades (every member succeeded) go out before any
+            // member is acked; if they cannot, every member is retried like a
+            // single message whose cascade failed.
+            let cascade_error = if unattributed.is_empty() {
+                None
+            } else {
+                publish_cascades(&p.slot(s), unattributed.into_iter().map(|o| o.envelope))
+                    .await
+                    .err()
+            };
+            let outcomes = batch
+                .into_iter()
+                .zip(results.into_iter().zip(published))
+                .map(|(env, (result, published))| {
+                    let done = match (result, &cascade_error) {
+                        (Ok(()), Some(e)) => CallOutcome::Done {
+                            result: Err(Failure::Retry(format!("cascaded publish of its batch failed: {e}"))),
+                            published: Vec::new(),
+                        },
+                        (result, _) => CallOutcome::Done { result, published },
+                    };
+                    (env, done)
+                })
+                .collect();
+            Some(outcomes)
+        }
+        BatchOutcome::Fault(f) if f.kind == FaultKind::Cancelled => Some(
+            batch
+                .into_iter()
+                .map(|env| (env, CallOutcome::Fault(f.clone())))
+                .collect(),
+        ),
+        BatchOutcome::Fault(f) => {
+            p.stats.faults.fetch_add(1, Ordering::Relaxed);
+            p.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                handler = handler.name(), group = batch.first().and_then(|e| e.group()), members = batch.len(),
+                fault = %f, "handle-batch failed; replaying its members one at a time through handle"
+            );
+            let items = batch.into_iter().map(|env| (handler.clone(), env)).collect();
+            call_each(p, items, cancel.clone()).await
+        }
+    }
+}

@@ -1,0 +1,461 @@
+//! The slot runner: consumes one slot, queues each delivery in its lane,
+//! schedules ready lanes onto the worker pool, and drains on stop.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt as _;
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::watch;
+
+use crate::outcome::Outcome;
+use crate::settle::capture::capture_undecodable;
+use crate::transport::{Delivery, Disposition};
+
+use super::batch::{Take, take_batch};
+use super::job::{run_batches, run_lane};
+use super::lane::{BYPASS_SALT, Lane, LaneMap, Queued, lane_key, loose_key, take_queue};
+use super::{LaneKind, Pipeline, RunnerReport, SlotSettings, panic_text};
+
+enum Done {
+    /// A job that panicked, with what it would have returned and the
+    /// panic's message.
+    Panicked(Box<Done>, String),
+    /// A job that ran the messages of these lanes (by lane key).
+    Groups(Vec<u64>),
+    Unordered,
+    Capture,
+    /// Batches of these lanes (by lane key; a loose lane may repeat).
+    Batches(Vec<u64>),
+}
+
+impl Done {
+    fn kind(&self) -> LaneKind {
+        match self {
+            Done::Panicked(done, _) => done.kind(),
+            Done::Groups(_) => LaneKind::Grouped,
+            Done::Unordered => LaneKind::Unordered,
+            Done::Capture => LaneKind::Capture,
+            Done::Batches(_) => LaneKind::Batch,
+        }
+    }
+}
+
+/// Deliveries a runner takes from the subscription before it schedules.
+const BURST: usize = 512;
+
+/// Consumes one slot. See the module docs.
+pub struct SlotRunner {
+    p: Arc<Pipeline>,
+    s: Arc<SlotSettings>,
+    cancel: Arc<AtomicBool>,
+    lanes: LaneMap,
+    ready: VecDeque<u64>,
+    /// Lanes whose head batch lingers, by deadline (stale entries skipped).
+    lingering: BinaryHeap<Reverse<(Instant, u64)>>,
+    /// Messages waiting in lane queues (not yet handed to a worker).
+    queued: usize,
+    running_groups: usize,
+    unordered: VecDeque<Delivery>,
+    running_unordered: usize,
+    inflight: FuturesUnordered<BoxFuture<'static, Done>>,
+    report: RunnerReport,
+    /// Set by the first job that panicked: the runner drains and stops.
+    poisoned: Option<String>,
+}
+
+impl SlotRunner {
+    /// A runner for one slot; nothing happens until [`SlotRunner::run`].
+    pub fn new(p: Arc<Pipeline>, s: SlotSettings) -> Self {
+        Self {
+            p,
+            s: Arc::new(s),
+            cancel: Arc::new(AtomicBool::new(false)),
+            lanes: LaneMap::default(),
+            ready: VecDeque::new(),
+            lingering: BinaryHeap::new(),
+            queued: 0,
+            running_groups: 0,
+            unordered: VecDeque::new(),
+            running_unordered: 0,
+            inflight: FuturesUnordered::new(),
+            report: RunnerReport::default(),
+            poisoned: None,
+        }
+    }
+
+    /// Set to interrupt this slot's running calls (ownership lost).
+    pub fn cancel_handle(&self) -> Arc<AtomicBool> {
+        self.cancel.clone()
+    }
+
+    /// Consume until `stop` turns true (or its sender is dropped), then drain.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) -> anyhow::Result<RunnerReport> {
+        let s = self.s.clone();
+        let mut sub = self
+            .p
+            .transport
+            .subscribe(&s.topology, s.slot, s.prefetch)
+            .await
+            .map_err(|e| anyhow::anyhow!("subscribing to slot {} of topology `{}`: {e}", s.slot, s.topology))?;
+        tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner started");
+        if !*stop.borrow() {
+            'consume: loop {
+                let linger = self.lingering.peek().map(|Reverse((at, _))| *at);
+                let wake = linger.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+                tokio::select! {
+                    biased;
+                    Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
+                    () = tokio::time::sleep_until(wake.into()), if linger.is_some() => self.wake_lingering(Instant::now()),
+                    changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
+                    next = sub.next() => match next {
+                        Some(Ok(d)) => {
+                            self.report.received += 1;
+                            self.accept(d);
+                            // Take what else is already here in one go, so
+                            // jobs can carry several messages.
+                            for _ in 0..BURST {
+                                match sub.try_next() {
+                                    Some(Ok(d)) => {
+                                        self.report.received += 1;
+                                        self.accept(d);
+                                    }
+                                    Some(Err(e)) => {
+                                        tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
+                                        self.cancel.store(true, Ordering::Relaxed);
+                                        break 'consume;
+                                    }
+                                    None => break,
+                                }
+                            }
+                        }
+                        Some(Err(e)) => {
+                            // The consumer is gone (connection lost): its
+                            // deliveries go back to the broker, which may hand
+                            // them to another consumer. Interrupt the calls in
+                            // flight so none of them runs alongside that one.
+                            tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
+                            self.cancel.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                        None => break,
+                    },
+                }
+                if self.poisoned.is_some() {
+                    break;
+                }
+                self.schedule();
+                s.counters
+                    .set_depth(self.queued + self.unordered.len(), self.running_groups);
+            }
+        }
+        s.counters.set_depth(0, 0);
+        self.drain(sub.as_mut()).await;
+        sub.close().await;
+        drop(sub);
+        tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner drained");
+        if let Some(text) = self.poisoned.take() {
+            anyhow::bail!("a job of slot {} of topology `{}` panicked: {text}", s.slot, s.topology);
+        }
+        Ok(self.report)
+    }
+
+    /// Stop the subscription first, so nothing more is delivered into this
+    /// draining runner: what had already been sent to it is taken into its
+    /// lanes, unstarted, until the subscription ends. A subscription that
+    /// cannot end that way (RabbitMQ) has its unstarted deliveries released
+    /// at once, as the broker redelivers them elsewhere only when the
+    /// channel closes. Then wait for every job in flight, and release the
+    /// rest. Releases go out one after another in arrival order (the
+    /// broker's position), so each group's messages return head first and
+    /// the broker can hand them to the next owner in order; none is sent
+    /// while the subscription could still take it back. A release is never
+    /// a failure: it does not count as an attempt.
+    async fn drain(&mut self, sub: &mut dyn crate::transport::Subscription) {
+        let mut collecting = sub.stop().await;
+        self.ready.clear();
+        self.lingering.clear();
+        let stats = self.p.stats.clone();
+        if !collecting {
+            let mut idle: Vec<Delivery> = self.unordered.drain(..).collect();
+            for lane in self.lanes.values_mut() {
+                idle.extend(take_queue(&stats, lane));
+            }
+            self.queued = 0;
+            self.release(idle).await;
+        }
+        while collecting || !self.inflight.is_empty() {
+            tokio::select! {
+                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
+                    self.report.drained.push(done.kind());
+                    self.finish(done);
+                }
+                next = sub.next(), if collecting => match next {
+                    Some(Ok(d)) => {
+                        self.report.received += 1;
+                        self.accept(d);
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(topology = %self.s.topology, slot = self.s.slot, error = %e, "subscription error while draining");
+                        collecting = false;
+                    }
+                    None => collecting = false,
+                },
+            }
+        }
+        self.ready.clear();
+        self.lingering.clear();
+        let mut rest: Vec<Delivery> = self.unordered.drain(..).collect();
+        for lane in self.lanes.values_mut() {
+            rest.extend(take_queue(&stats, lane));
+        }
+        self.lanes.clear();
+        self.queued = 0;
+        self.release(rest).await;
+    }
+
+    /// Release `pending` one after another in arrival order.
+    async fn release(&mut self, mut pending: Vec<Delivery>) {
+        pending.sort_by_key(|d| d.tag);
+        self.report.released += pending.len() as u64;
+        for d in pending {
+            if let Err(e) = d.acker.settle(Disposition::Release).await {
+                tracing::warn!(tag = d.tag, error = %e, "release at drain failed; the broker redelivers it");
+            }
+            self.p.stats.record(Outcome::Released);
+        }
+    }
+
+    fn accept(&mut self, d: Delivery) {
+        let key = match &d.message {
+            Err(_) => {
+                let (p, s) = (self.p.clone(), self.s.clone());
+                self.job(Done::Capture, async move { capture_undecodable(&p.slot(&s), d).await });
+                return;
+            }
+            Ok(env) => {
+                let batch = self.p.router.batch_rule(&self.s.topology, env).cloned();
+                match (env.group().filter(|_| !self.s.bypass_lanes), batch) {
+                    (Some(g), batch) => {
+                        let salt = if batch.is_some() && self.s.bypass_batch_lanes {
+                            BYPASS_SALT
+                        } else {
+                            0
+                        };
+                        Some((lane_key(env.tenant_id.as_deref(), g) ^ salt, batch, false))
+                    }
+                    (None, Some(rule)) => Some((loose_key(env.tenant_id.as_deref(), &rule.handler), Some(rule), true)),
+                    (None, None) => None,
+                }
+            }
+        };
+        let Some((key, batch, loose)) = key else {
+            self.unordered.push_back(d);
+            return;
+        };
+        let lane = self.lanes.entry(key).or_insert_with(|| Lane {
+            loose,
+            ..Lane::default()
+        });
+        // Keys of a group and of loose batches could collide: the lane then
+        // keeps order (slower, never unsafe).
+        lane.loose &= loose;
+        lane.queue.push_back(Queued {
+            d,
+            at: Instant::now(),
+            batch,
+        });
+        self.queued += 1;
+        // A lingering batch may be complete now: look again.
+        lane.lingering = None;
+        if lane.can_start() && !lane.ready {
+            lane.ready = true;
+            self.ready.push_back(key);
+        }
+    }
+
+    /// Batches whose linger ran out go back to the ready queue.
+    fn wake_lingering(&mut self, now: Instant) {
+        while let Some(Reverse((at, key))) = self.lingering.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.lingering.pop();
+            let Some(lane) = self.lanes.get_mut(&key) else { continue };
+            if lane.lingering != Some(at) {
+                continue; // stale: the lane was looked at again since
+            }
+            lane.lingering = None;
+            if lane.can_start() && !lane.ready {
+                lane.ready = true;
+                self.ready.push_back(key);
+            }
+        }
+    }
+
+    fn lane_done(&mut self, key: u64) {
+        self.running_groups -= 1;
+        let Some(lane) = self.lanes.get_mut(&key) else { return };
+        lane.running -= 1;
+        if lane.queue.is_empty() && lane.running == 0 {
+            self.lanes.remove(&key);
+        } else if lane.can_start() && !lane.ready {
+            lane.ready = true;
+            self.ready.push_back(key);
+        }
+    }
+
+    /// Put `work` in flight; `done` says what it occupies. A panic in it is
+    /// caught here: the messages it held are left unsettled (the broker
+    /// redelivers them once this runner's subscription is gone), the panic
+    /// is counted and logged at once, the slot is marked failing (`/ready`
+    /// answers 503), and the runner stops taking deliveries, drains what
+    /// else runs and returns an error, so its supervisor restarts it.
+    fn job(&mut self, done: Done, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.inflight.push(Box::pin(async move {
+            match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+                Ok(()) => done,
+                Err(panic) => Done::Panicked(Box::new(done), panic_text(panic.as_ref())),
+            }
+        }));
+    }
+
+    fn finish(&mut self, done: Done) {
+        match done {
+            Done::Panicked(done, text) => {
+                let s = &self.s;
+                self.p.stats.runner_panics.fetch_add(1, Ordering::Relaxed);
+                self.p.stats.mark_failing(&s.topology, s.slot, &text);
+                tracing::error!(
+                    topology = %s.topology, slot = s.slot, panic = %text,
+                    "a job of this slot panicked; its messages are left to the broker, and the runner drains and restarts"
+                );
+                self.poisoned.get_or_insert(text);
+                self.finish(*done);
+            }
+            Done::Groups(keys) => {
+                for key in keys {
+                    self.lane_done(key);
+                }
+            }
+            Done::Batches(keys) => {
+                for key in keys {
+                    self.lane_done(key);
+                }
+            }
+            Done::Unordered => self.running_unordered -= 1,
+            Done::Capture => {}
+        }
+    }
+
+    /// Hand ready work to the pool. A job may carry the next messages of
+    /// several lanes (each lane's in order, one lane after another, on one
+    /// worker); its size is the backlog shared out over the workers, capped
+    /// at `max_run`, so a backlog amortises the hand-off and a trickle still
+    /// goes out one message at a time. A lane whose head is a batched
+    /// message gives a batch instead (or lingers); the batches taken in one
+    /// round share one job the same way, their members counting towards its
+    /// size.
+    fn schedule(&mut self) {
+        let workers = self.p.pool.size().max(1);
+        let max_run = self.s.max_run.max(1);
+        let now = Instant::now();
+        while self.running_groups < self.s.max_concurrent_groups && !self.ready.is_empty() {
+            let target = (self.queued / workers).clamp(1, max_run);
+            let mut run: Vec<Delivery> = Vec::with_capacity(target);
+            let mut keys = Vec::new();
+            let mut batches = Vec::new();
+            let mut batch_keys = Vec::new();
+            let mut members = 0;
+            // One tenant per job: a job runs on one worker, one message after
+            // another, so a tenant waiting on its concurrency limit or
+            // running away must not hold another tenant's messages.
+            let mut job_tenant: Option<Option<String>> = None;
+            while run.len() + members < target && self.running_groups < self.s.max_concurrent_groups {
+                let Some(key) = self.ready.pop_front() else { break };
+                let Some(lane) = self.lanes.get_mut(&key) else { continue };
+                let tenant = lane
+                    .queue
+                    .front()
+                    .and_then(Queued::env)
+                    .and_then(|e| e.tenant_id.as_deref());
+                match &job_tenant {
+                    None => job_tenant = Some(tenant.map(str::to_owned)),
+                    Some(t) if t.as_deref() == tenant => {}
+                    Some(_) => {
+                        self.ready.push_front(key);
+                        break;
+                    }
+                }
+                lane.ready = false;
+                if let Some(rule) = lane.queue.front().and_then(|q| q.batch.clone()) {
+                    match take_batch(lane, &rule, now) {
+                        Take::Wait(until) => {
+                            lane.lingering = Some(until);
+                            self.lingering.push(Reverse((until, key)));
+                        }
+                        Take::Batch(batch, reason) => {
+                            self.queued -= batch.len();
+                            members += batch.len();
+                            lane.running += 1;
+                            self.running_groups += 1;
+                            if lane.can_start() {
+                                lane.ready = true;
+                                self.ready.push_back(key);
+                            }
+                            batches.push((batch, reason));
+                            batch_keys.push(key);
+                        }
+                    }
+                    continue;
+                }
+                // Single messages up to the next batched one.
+                let n = lane
+                    .queue
+                    .iter()
+                    .take(target - run.len() - members)
+                    .take_while(|q| q.batch.is_none())
+                    .count();
+                run.extend(lane.queue.drain(..n).map(|q| q.d));
+                self.queued -= n;
+                lane.running += 1;
+                self.running_groups += 1;
+                keys.push(key);
+            }
+            if !batches.is_empty() {
+                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+                self.job(Done::Batches(batch_keys), run_batches(p, s, c, batches));
+            }
+            if !keys.is_empty() {
+                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+                self.job(Done::Groups(keys), run_lane(p, s, c, run));
+            }
+        }
+        let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
+        while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
+            let n = (self.unordered.len() / workers)
+                .clamp(1, unordered_run)
+                .min(self.unordered.len());
+            // One tenant per job, as for lanes.
+            fn tenant_of(d: &Delivery) -> Option<&str> {
+                d.message.as_ref().ok().and_then(|e| e.tenant_id.as_deref())
+            }
+            let first = self.unordered.front().and_then(tenant_of);
+            let n = self
+                .unordered
+                .iter()
+                .take(n)
+                .take_while(|d| tenant_of(d) == first)
+                .count()
+                .max(1);
+            let run: Vec<Delivery> = self.unordered.drain(..n).collect();
+            self.running_unordered += 1;
+            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
+            self.job(Done::Unordered, run_lane(p, s, c, run));
+        }
+    }
+}

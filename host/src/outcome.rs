@@ -1,0 +1,77 @@
+//! How a delivery ended ([`Outcome`], with the dead-letter [`Reason`]) and
+//! who is told ([`SettleObserver`]). A leaf: settlement, the counters, the
+//! ledgers and the tests all speak these words, and it imports nothing.
+
+/// Why a message was dead-lettered (`weir-dead-letter-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The handler answered `reject`.
+    Rejected,
+    /// Retryable failures used up every delivery.
+    Exhausted,
+    /// The message could not be decoded (headers missing or invalid).
+    Undecodable,
+    /// No handler is bound to its (tenant, message type).
+    NoHandler,
+    /// The last delivery ran past the handler's timeout.
+    Timeout,
+    /// The last delivery trapped.
+    Trap,
+}
+
+impl Reason {
+    /// Every reason, in a fixed order.
+    pub const ALL: [Reason; 6] = [
+        Reason::Rejected,
+        Reason::Exhausted,
+        Reason::Undecodable,
+        Reason::NoHandler,
+        Reason::Timeout,
+        Reason::Trap,
+    ];
+
+    /// The header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Rejected => "rejected",
+            Reason::Exhausted => "exhausted",
+            Reason::Undecodable => "undecodable",
+            Reason::NoHandler => "no-handler",
+            Reason::Timeout => "timeout",
+            Reason::Trap => "trap",
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a delivery was settled. Each is counted and logged distinctly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Handler succeeded, cascades confirmed, acknowledged.
+    Handled,
+    /// Back onto the retry ladder.
+    RetryScheduled,
+    /// Captured on the dead-letter destination (confirmed) and acknowledged.
+    DeadLettered(Reason),
+    /// The capture failed and no delivery is left: provably nothing reached
+    /// the dead-letter destination.
+    Stranded,
+    /// The capture was confirmed but the ack's confirmation was lost: the
+    /// ack may have landed, and the message may be delivered once more.
+    Uncertain,
+    /// The capture failed; the message went back to its queue for another try.
+    Requeued,
+    /// Returned unprocessed (drain, handoff, shutdown).
+    Released,
+}
+
+/// Told how each message was settled.
+pub trait SettleObserver: Send + Sync {
+    /// `id` was settled with `outcome`.
+    fn settled(&self, id: &str, outcome: Outcome);
+}

@@ -1,0 +1,133 @@
+//! An outcome becomes one broker action: ack (after the cascades), a retry
+//! on the ladder, or a confirmed capture; a cancelled call is released.
+
+use std::sync::atomic::Ordering;
+
+use super::capture::capture_envelope;
+use super::cascades::publish_cascades;
+use super::{Pending, Slot};
+use crate::bindings::weir::handler::types::Failure;
+use crate::envelope::Envelope;
+use crate::outcome::{Outcome, Reason};
+use crate::retry::schedule::Step;
+use crate::runtime::{CallOutcome, FaultKind};
+use crate::transport::Disposition;
+
+/// Settle every message of a call by its outcome (the one path single
+/// messages and batch members share).
+pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, pending: Vec<Pending>) {
+    // The common case, handled with nothing to publish, only needs its ack:
+    // settle those in order right here. Everything else (cascades to
+    // confirm, retries, captures) may wait on the broker, so those settle
+    // concurrently, each boxed so this future stays small.
+    let mut slow = Vec::new();
+    for ((env, outcome), pend) in outcomes.into_iter().zip(pending) {
+        match outcome {
+            CallOutcome::Done {
+                result: Ok(()),
+                published,
+            } if published.is_empty() => {
+                if let Err(e) = pend.acker.settle(Disposition::Ack).await {
+                    cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
+                }
+                cx.record(Some(&pend.handler), &env.id, Outcome::Handled);
+            }
+            outcome => {
+                slow.push(Box::pin(async move {
+                    let id = cx.sink.observer.map(|_| env.id.clone());
+                    let handler = pend.handler.clone();
+                    let o = settle(cx, env, outcome, pend).await;
+                    cx.record(Some(&handler), id.as_deref().unwrap_or_default(), o);
+                }));
+            }
+        }
+    }
+    if !slow.is_empty() {
+        futures::future::join_all(slow).await;
+    }
+}
+
+/// Negative control for the fence tests, never for production: with this
+/// environment variable set to `1` a call the host cancelled (a fence, a
+/// drain deadline, a lost subscription) and the calls after it in its job
+/// count as failed attempts (as a timeout does) instead of being released.
+pub const NEGATIVE_CONTROL_CANCEL_FAILS: &str = "WEIR_NEGATIVE_CONTROL_CANCEL_FAILS";
+
+fn cancel_fails() -> bool {
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| {
+        let set = std::env::var(NEGATIVE_CONTROL_CANCEL_FAILS).is_ok_and(|v| v == "1");
+        if set {
+            tracing::error!(
+                "{NEGATIVE_CONTROL_CANCEL_FAILS}=1: cancelled calls count as FAILED attempts (a test's negative control; never in production)"
+            );
+        }
+        set
+    })
+}
+
+/// Turn a call's outcome into a settled delivery.
+async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pending) -> Outcome {
+    let Pending {
+        acker,
+        source,
+        tag,
+        handler,
+    } = pend;
+    let (error, final_reason) = match outcome {
+        CallOutcome::Done {
+            result: Ok(()),
+            published,
+        } => match publish_cascades(cx, published.into_iter().map(|o| o.envelope)).await {
+            Ok(()) => {
+                if let Err(e) = acker.settle(Disposition::Ack).await {
+                    cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");
+                }
+                return Outcome::Handled;
+            }
+            Err(e) => (format!("cascaded publish failed: {e}"), Reason::Exhausted),
+        },
+        CallOutcome::Done {
+            result: Err(Failure::Reject(reason)),
+            ..
+        } => {
+            return capture_envelope(cx, &env, acker, Reason::Rejected, &reason, &source, Some(&handler), tag).await;
+        }
+        CallOutcome::Done {
+            result: Err(Failure::Retry(reason)),
+            ..
+        } => (reason, Reason::Exhausted),
+        CallOutcome::Fault(f) => {
+            cx.sink.stats.faults.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(handler = handler.name(), message = %env.id, attempt = env.attempt, fault = %f, "guest fault");
+            match f.kind {
+                FaultKind::Cancelled if cancel_fails() => (f.to_string(), Reason::Timeout),
+                FaultKind::Cancelled => {
+                    if let Err(e) = acker.settle(Disposition::Release).await {
+                        tracing::warn!(tag, error = %e, "release of a cancelled call failed; the broker redelivers it");
+                    }
+                    return Outcome::Released;
+                }
+                FaultKind::Timeout => (f.to_string(), Reason::Timeout),
+                FaultKind::Trap | FaultKind::MemoryLimit | FaultKind::Instantiate => (f.to_string(), Reason::Trap),
+            }
+        }
+    };
+    match cx.schedule.next_step(env.attempt) {
+        Step::RetryAfter(delay) => {
+            let mut next = env;
+            next.attempt += 1;
+            tracing::debug!(handler = handler.name(), message = %next.id, next_attempt = next.attempt, ?delay, error, "retry scheduled");
+            match acker.settle(Disposition::Retry { envelope: next, delay }).await {
+                Ok(()) => Outcome::RetryScheduled,
+                Err(e) => {
+                    tracing::warn!(tag, error = %e, "scheduling a retry failed; the broker redelivers the original");
+                    Outcome::Requeued
+                }
+            }
+        }
+        Step::Exhausted => capture_envelope(cx, &env, acker, final_reason, &error, &source, Some(&handler), tag).await,
+    }
+}

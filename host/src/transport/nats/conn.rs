@@ -1,0 +1,186 @@
+//! The connection (made on first use, then kept: async-nats reconnects it
+//! by itself), the transport's shared state, and publishing with `PubAck`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use super::floor::FloorMonitor;
+use super::wire::{headers_of, publish_err};
+use crate::envelope::Wire;
+use crate::transport::limits::Limits;
+use crate::transport::{ErrorKind, TopologySpec, TransportError, redact_url};
+
+/// `messaging.system` of this transport.
+pub(super) const SYSTEM: &str = "nats";
+
+/// `AckWait` of the ingress consumer (forwarding is quick; the ticker keeps
+/// a slow one alive).
+pub(super) const INGRESS_ACK_WAIT: Duration = Duration::from_secs(30);
+/// Expiry of one pull request. Short, because a drain waits for the open
+/// request to end before it releases anything (module docs, "Pulling"); the
+/// server's answer at expiry (408) is also the sign of life of an idle
+/// consumer.
+pub(super) const PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// Messages asked for in one pull request, at most.
+pub(super) const MAX_PULL_BATCH: u32 = 1024;
+/// A pull request the server neither fulfilled nor ended this long after its
+/// expiry ends the subscription (the supervisor subscribes again).
+pub(super) const PULL_GRACE: Duration = Duration::from_secs(5);
+/// Least time a failure count is kept (the bucket's `max_age`).
+pub(super) const ATTEMPTS_MIN_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Timeout of every JetStream API request (stream and consumer info,
+/// publish acks, double acks).
+pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Knobs of the NATS transport that are not in the config file.
+#[derive(Debug, Clone)]
+pub struct NatsOptions {
+    /// How often each slot consumer's ack floor is read.
+    pub floor_poll: Duration,
+    /// Stall age from which the floor monitor warns; `None`: derived from the
+    /// topology's schedule (the time its last delivery comes after the first,
+    /// plus `AckWait`, at least a minute), since a message on the ladder
+    /// holds the floor legitimately that long.
+    pub floor_warn_after: Option<Duration>,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            floor_poll: Duration::from_secs(5),
+            floor_warn_after: None,
+        }
+    }
+}
+
+/// A live connection. async-nats reconnects it by itself, so once made it is
+/// kept for the transport's life.
+#[derive(Clone)]
+pub(super) struct Conn {
+    pub(super) client: async_nats::Client,
+    pub(super) js: jetstream::Context,
+}
+
+pub(super) struct Inner {
+    pub(super) url: String,
+    pub(super) name: String,
+    pub(super) options: NatsOptions,
+    pub(super) conn: tokio::sync::Mutex<Option<Conn>>,
+    pub(super) topologies: Mutex<HashMap<String, TopologySpec>>,
+    /// The failure-count bucket of each declared topology.
+    pub(super) attempts: Mutex<HashMap<String, kv::Store>>,
+    pub(super) floor: Arc<FloorMonitor>,
+}
+
+/// The NATS JetStream transport. Cheap to clone; clones share the connection.
+#[derive(Clone)]
+pub struct Nats {
+    pub(super) inner: Arc<Inner>,
+}
+
+impl Nats {
+    /// A transport for the server at `url` (`nats://…`); `name` is the
+    /// connection name the server shows. Nothing connects until first use.
+    pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
+        Self::with_options(url, name, NatsOptions::default())
+    }
+
+    /// [`Nats::new`] with options.
+    pub fn with_options(url: impl Into<String>, name: impl Into<String>, options: NatsOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                url: url.into(),
+                name: name.into(),
+                options,
+                conn: tokio::sync::Mutex::new(None),
+                topologies: Mutex::new(HashMap::new()),
+                attempts: Mutex::new(HashMap::new()),
+                floor: Arc::new(FloorMonitor::default()),
+            }),
+        }
+    }
+
+    /// The floor monitor fed by this transport's pollers.
+    pub fn floor(&self) -> Arc<FloorMonitor> {
+        self.inner.floor.clone()
+    }
+
+    /// The connection, made on first use. One attempt: callers own the
+    /// backoff. Later outages are ridden out by async-nats's own reconnect.
+    pub(super) async fn conn(&self) -> Result<Conn, TransportError> {
+        let mut guard = self.inner.conn.lock().await;
+        if let Some(c) = guard.as_ref() {
+            return Ok(c.clone());
+        }
+        let shown = redact_url(&self.inner.url);
+        let client = async_nats::ConnectOptions::new()
+            .name(&self.inner.name)
+            .connection_timeout(REQUEST_TIMEOUT)
+            .request_timeout(Some(REQUEST_TIMEOUT))
+            .max_reconnects(None)
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis(100u64.saturating_mul(1 << attempts.min(5)).min(2_000))
+            })
+            .event_callback(|event| async move {
+                tracing::info!(messaging.system = SYSTEM, %event, "connection event");
+            })
+            .connect(self.inner.url.as_str())
+            .await
+            .map_err(|e| TransportError::new(ErrorKind::Connection, format!("connecting to {shown}: {e}")))?;
+        let js = jetstream::new(client.clone());
+        tracing::info!(messaging.system = SYSTEM, url = %shown, "connected");
+        let conn = Conn { client, js };
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    pub(super) fn spec(&self, topology: &str) -> Result<TopologySpec, TransportError> {
+        self.inner.topologies.lock().get(topology).cloned().ok_or_else(|| {
+            TransportError::new(
+                ErrorKind::Invalid,
+                format!("topology `{topology}` is not declared on this transport; declare it first"),
+            )
+        })
+    }
+
+    /// Publish and wait for the stream's `PubAck`. Nothing goes out unless
+    /// it fits NATS's header rules and the server's `max_payload`
+    /// ([`limits`]): with `fit` (dead letters) what does not is repaired and
+    /// cut with a marker, otherwise it is an [`ErrorKind::Invalid`] error
+    /// naming the header.
+    pub(super) async fn publish_to(
+        &self,
+        subject: String,
+        mut wire: Wire,
+        target: &str,
+        fit: bool,
+    ) -> Result<(), TransportError> {
+        let conn = self.conn().await?;
+        let limits = Limits::nats(conn.client.max_payload());
+        if fit {
+            for note in limits.fit(&mut wire) {
+                tracing::warn!(
+                    messaging.system = SYSTEM,
+                    target,
+                    change = note,
+                    "a dead letter did not fit the server's header rules; written with a marker"
+                );
+            }
+        }
+        let invalid = |e: String| TransportError::new(ErrorKind::Invalid, format!("not published to {target}: {e}"));
+        limits.check(&wire).map_err(invalid)?;
+        let headers = headers_of(&wire).map_err(invalid)?;
+        let pending = conn
+            .js
+            .publish_with_headers(subject, headers, Bytes::from(wire.body))
+            .await
+            .map_err(|e| publish_err(target, &e))?;
+        pending.await.map_err(|e| publish_err(target, &e))?;
+        Ok(())
+    }
+}
