@@ -544,9 +544,17 @@ fn a_failing_tenants_calls_move_to_the_background_workers() {
             .map(|(_, th)| th.clone())
             .collect()
     };
+    // The debt halves every second of wall time: on a loaded machine a slow
+    // stretch can forgive it for a call or two, which then runs on a normal
+    // worker, fails, and sends the tenant back. Most must be in the background;
+    // without the rule none are.
+    let background = on("hostile.reject-bytes")
+        .iter()
+        .filter(|t| *t == "weir-background")
+        .count();
     assert!(
-        on("hostile.reject-bytes").iter().all(|t| t == "weir-background"),
-        "the failing tenant's last calls ran on {:?}",
+        background >= 15,
+        "only {background} of the failing tenant's last 20 calls ran in the background: {:?}",
         on("hostile.reject-bytes")
     );
     assert!(
