@@ -397,8 +397,10 @@ async fn endless_loop_is_interrupted_at_its_timeout_and_dead_lettered_as_timeout
             "attempt {} interrupted after {d:?}, before its timeout {TIMEOUT:?}",
             c.attempt
         );
+        // Upper bound for a hang, not a timing: on two cores held by other
+        // processes the epoch ticker can be late by a second or more.
         assert!(
-            d < TIMEOUT * 3,
+            d < TIMEOUT + Duration::from_secs(10),
             "attempt {} interrupted only after {d:?} (timeout {TIMEOUT:?})",
             c.attempt
         );

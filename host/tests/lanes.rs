@@ -279,7 +279,9 @@ async fn drain_waits_for_every_lane_kind() {
             "{kind:?}: message {wire_id} not settled when the drain returned"
         );
         assert_eq!(broker.total_depth(TOPO), 0, "{kind:?}: left on the broker");
-        assert!(took < work * 3, "{kind:?}: drain took {took:?}");
+        // A bound for a hang (the lower bound above is the check): on two
+        // cores held by other processes a drain can be a second or more late.
+        assert!(took < work + Duration::from_secs(10), "{kind:?}: drain took {took:?}");
     }
 }
 
