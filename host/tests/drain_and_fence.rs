@@ -213,13 +213,7 @@ fn poll(timeout: Duration, every: Duration, mut probe: impl FnMut() -> bool, wha
 
 /// Slot owners by node name, from the database (assigned slots only).
 fn owners(db: &TestDb) -> HashMap<u32, String> {
-    db.query(
-        "SELECT s.slot::text, n.name FROM weir_slots s JOIN weir_nodes n ON n.node_id = s.owner \
-         WHERE s.state = 'assigned' AND n.lease_until > now()",
-    )
-    .into_iter()
-    .map(|r| (r[0].as_ref().unwrap().parse().unwrap(), r[1].clone().unwrap()))
-    .collect()
+    db.slot_owners()
 }
 
 /// Wait until every slot is assigned, only to `nodes`, balanced within one.
@@ -227,16 +221,7 @@ fn wait_balanced(db: &TestDb, nodes: &[&str], timeout: Duration) -> HashMap<u32,
     let start = Instant::now();
     loop {
         let o = owners(db);
-        let mut per: HashMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
-        let mut only_these = true;
-        for owner in o.values() {
-            match per.get_mut(owner.as_str()) {
-                Some(n) => *n += 1,
-                None => only_these = false,
-            }
-        }
-        let (lo, hi) = (per.values().min().copied(), per.values().max().copied());
-        if o.len() == SLOTS as usize && only_these && hi.zip(lo).is_some_and(|(h, l)| h - l <= 1) {
+        if common::pg::balanced(&o, nodes, SLOTS) {
             return o;
         }
         assert!(

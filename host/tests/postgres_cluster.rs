@@ -145,13 +145,7 @@ fn stream(broker: &Broker, msgs: Vec<Envelope>, over: Duration) -> std::thread::
 
 /// Slot owners by node name, from the database (assigned slots only).
 fn owners(db: &TestDb) -> HashMap<u32, String> {
-    db.query(
-        "SELECT s.slot::text, n.name FROM weir_slots s JOIN weir_nodes n ON n.node_id = s.owner \
-         WHERE s.state = 'assigned' AND n.lease_until > now()",
-    )
-    .into_iter()
-    .map(|r| (r[0].as_ref().unwrap().parse().unwrap(), r[1].clone().unwrap()))
-    .collect()
+    db.slot_owners()
 }
 
 fn leader(db: &TestDb) -> Option<String> {
@@ -166,16 +160,7 @@ fn wait_balanced(db: &TestDb, cluster: &Cluster, nodes: &[&str], timeout: Durati
     let start = Instant::now();
     loop {
         let o = owners(db);
-        let mut count: HashMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
-        let mut only_ours = true;
-        for owner in o.values() {
-            match count.get_mut(owner.as_str()) {
-                Some(c) => *c += 1,
-                None => only_ours = false,
-            }
-        }
-        let (min, max) = (count.values().min().copied(), count.values().max().copied());
-        if o.len() == SLOTS as usize && only_ours && max.zip(min).is_some_and(|(a, b)| a - b <= 1) {
+        if common::pg::balanced(&o, nodes, SLOTS) {
             return o;
         }
         if start.elapsed() > timeout {

@@ -3,6 +3,7 @@
 //! proxy in front of the server that a test can cut to make a node lose
 //! its database while the server stays up for everyone else.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -77,6 +78,31 @@ impl TestDb {
                 .collect()
         })
     }
+
+    /// Assigned slots whose owner's lease is live, and the owner's name.
+    pub fn slot_owners(&self) -> HashMap<u32, String> {
+        self.query(
+            "SELECT s.slot::text, n.name FROM weir_slots s JOIN weir_nodes n ON n.node_id = s.owner \
+             WHERE s.state = 'assigned' AND n.lease_until > now()",
+        )
+        .into_iter()
+        .map(|r| (r[0].as_ref().unwrap().parse().unwrap(), r[1].clone().unwrap()))
+        .collect()
+    }
+}
+
+/// Whether all `slots` are in `owners`, owned only by `nodes`, balanced within one.
+pub fn balanced(owners: &HashMap<u32, String>, nodes: &[&str], slots: u32) -> bool {
+    let mut per: HashMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+    let mut only_these = true;
+    for owner in owners.values() {
+        match per.get_mut(owner.as_str()) {
+            Some(n) => *n += 1,
+            None => only_these = false,
+        }
+    }
+    let (lo, hi) = (per.values().min().copied(), per.values().max().copied());
+    owners.len() == slots as usize && only_these && hi.zip(lo).is_some_and(|(h, l)| h - l <= 1)
 }
 
 impl Drop for TestDb {
