@@ -16,6 +16,9 @@
 /// The config file: types, defaults, validation, units.
 pub mod config;
 
+/// Thread priorities (a leaf).
+pub mod sched;
+
 /// The generated WIT bindings of the handler world (the message record).
 pub mod bindings;
 

@@ -146,11 +146,7 @@ fn background_compiler() -> Option<&'static rayon::ThreadPool> {
         rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("weir-compile-{i}"))
             .start_handler(|_| {
-                // SAFETY: setpriority on the calling thread (who = 0) only.
-                #[cfg(target_os = "linux")]
-                unsafe {
-                    libc::setpriority(libc::PRIO_PROCESS, 0, 10);
-                }
+                let _ = crate::sched::nice_current_thread(10);
             })
             .build()
             .map_err(|e| tracing::warn!(error = %e, "no background compiler threads; compiling at normal priority"))

@@ -281,27 +281,16 @@ impl Shared {
 /// The lowest normal priority for the calling thread (nice 19): it gets a small share of
 /// a busy core next to normal threads, but is not starved as the idle class would be.
 fn lower_current_thread() {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: a plain syscall on the calling thread (pid 0 is the calling thread on Linux).
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) } != 0 {
-            tracing::warn!("could not lower a background worker's priority");
-        }
+    if crate::sched::nice_current_thread(19).is_err() {
+        tracing::warn!("could not lower a background worker's priority");
     }
 }
 
 /// Move the calling thread to the idle scheduling class (it then runs only
 /// when a core would otherwise idle); nice 19 where that is refused.
 fn demote_current_thread() {
-    #[cfg(target_os = "linux")]
-    {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: plain syscalls on the calling thread (pid 0), with a valid parameter.
-        let ok = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0
-            || unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) } == 0;
-        if !ok {
-            tracing::warn!("could not lower a long call's worker priority");
-        }
+    if crate::sched::idle_current_thread().is_err() {
+        tracing::warn!("could not lower a long call's worker priority");
     }
 }
 
