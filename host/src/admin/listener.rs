@@ -1,6 +1,7 @@
 //! The admin listener: binds `node.admin`, builds the routes, accepts at
 //! most `node.admin_max_connections` connections, each with a header-read
-//! timeout; at the stop, finishes the open requests.
+//! timeout and a write timeout of the same length; at the stop, finishes
+//! the open requests.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use super::limits::Limits;
 use super::metrics::metrics;
 use super::routes::{deploy, handler, handlers, ready, rollback, slots};
 use super::state::AdminState;
+use super::write_timeout::WriteTimeout;
 
 /// Serve until `stop` turns true.
 pub async fn serve(
@@ -114,6 +116,9 @@ async fn connection(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(header_timeout);
+    // A response the client does not read is given up after the same
+    // limit as a request's headers.
+    let tcp = WriteTimeout::new(tcp, header_timeout);
     let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
     tokio::pin!(conn);
     tokio::select! {

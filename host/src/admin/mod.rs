@@ -39,6 +39,7 @@ pub mod metrics;
 pub mod routes;
 pub mod state;
 pub mod upload;
+pub mod write_timeout;
 
 pub use auth::Auth;
 pub use limits::Limits;
