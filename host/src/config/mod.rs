@@ -97,7 +97,8 @@ pub struct Node {
     pub instance_pool: Option<u32>,
     /// How long the admin listener waits for a request's line and headers, counted from when
     /// the connection opens or its previous response is sent: an idle connection, or one whose
-    /// headers trickle in, is closed after this. E.g. `"10s"`.
+    /// headers trickle in, is closed after this; so is one whose client stops reading a
+    /// response for this long. E.g. `"10s"`.
     #[serde(default = "defaults::admin_header_timeout", deserialize_with = "de_duration")]
     pub admin_header_timeout: Duration,
     /// The longest an upload's body may take to arrive; past it the request is answered 408
