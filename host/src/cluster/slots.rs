@@ -64,6 +64,9 @@ pub struct SlotSet {
     running: Map,
     generations: std::sync::atomic::AtomicU64,
     supervisor: Supervisor,
+    /// The node's runtime: runners run there even when the coordinator
+    /// that starts them runs on a thread of its own.
+    runtime: tokio::runtime::Handle,
 }
 
 impl SlotSet {
@@ -74,7 +77,8 @@ impl SlotSet {
         Self::with_supervisor(pipeline, topologies, supervisor)
     }
 
-    /// A set whose slots run `supervisor` (tests).
+    /// A set whose slots run `supervisor` (tests). Must be called on the
+    /// runtime the runners are to run on.
     #[doc(hidden)]
     pub fn with_supervisor(
         pipeline: Arc<Pipeline>,
@@ -87,7 +91,13 @@ impl SlotSet {
             running: Arc::default(),
             generations: std::sync::atomic::AtomicU64::new(0),
             supervisor,
+            runtime: tokio::runtime::Handle::current(),
         }
+    }
+
+    /// The node's runtime, where the runners run.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
     }
 
     /// Start consuming `key` (no-op if it runs or its topology is unknown).
@@ -104,7 +114,7 @@ impl SlotSet {
         let (stop, stop_rx) = watch::channel(false);
         let cancel: CancelCell = Arc::new(Mutex::new(Arc::new(AtomicBool::new(false))));
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
-        let task = tokio::spawn((self.supervisor)(
+        let task = self.runtime.spawn((self.supervisor)(
             self.pipeline.clone(),
             settings,
             stop_rx,
@@ -115,7 +125,7 @@ impl SlotSet {
         // The runner's end is awaited here, not by whoever drains: a
         // drainer that is cancelled cannot lose it.
         let (map, k, cell) = (self.running.clone(), key.clone(), report.clone());
-        tokio::spawn(async move {
+        self.runtime.spawn(async move {
             let r = join(&k, task).await;
             *cell.lock() = Some(r);
             {

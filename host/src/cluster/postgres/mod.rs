@@ -51,6 +51,7 @@ pub mod handoff;
 pub mod leader;
 pub mod lease;
 pub mod listen;
+pub mod margin;
 pub mod run;
 pub mod status;
 
@@ -178,6 +179,14 @@ impl Member {
             no_drain,
             ready,
         }
+    }
+
+    /// The fence margin, with its lateness probe running on the node's
+    /// runtime (where the calls a fence interrupts are driven).
+    pub(super) fn margin(&self) -> margin::Margin {
+        let (m, probe) = margin::Margin::new(self.lease);
+        self.slots.runtime().spawn(probe);
+        m
     }
 
     /// How long one database step may take: half the fence margin.

@@ -6,15 +6,21 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::handoff::{fence, fence_all};
 use super::listen::Wakeups;
-use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, TICK, Tick, bounded, fence_margin, step};
+use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, TICK, Tick, bounded, step};
 use crate::cluster::coordinator::{Coordinator, Start};
 use crate::cluster::status::Status;
 use crate::config::Config;
+
+/// Nice value of the coordinator thread: above every other thread of the
+/// node (and of a machine's ordinary processes), so that renewing and
+/// fencing are not starved by calls, compilers or neighbours.
+const COORDINATOR_NICE: i32 = -10;
 
 /// `cluster.mode = "postgres"`: slots are assigned by the coordinator
 /// database; nothing runs until this node is given some.
@@ -49,17 +55,46 @@ impl Coordinator for Postgres {
         false
     }
 
+    /// The loop runs on a thread of its own (`weir-coordinator`), with its
+    /// own runtime and database connections, at a raised priority where
+    /// the node may raise it: a node whose runtime and cores are busy must
+    /// still renew its lease, and fence in time when it cannot.
     fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
-        let member = Member::new(
-            self.pool.clone(),
-            &self.name,
-            self.lease,
-            self.drain_deadline,
-            start.all,
-            start.slots,
-            start.ready,
-        );
-        Some(tokio::spawn(run(member, start.stop)))
+        let options = (*self.pool.connect_options()).clone();
+        let (name, lease, drain_deadline) = (self.name.clone(), self.lease, self.drain_deadline);
+        let (done, result) = tokio::sync::oneshot::channel();
+        let thread = std::thread::Builder::new().name("weir-coordinator".into()).spawn(move || {
+            if let Err(e) = crate::sched::nice_current_thread(COORDINATOR_NICE) {
+                tracing::info!(error = %e, "the coordinator thread runs at normal priority (raising it needs CAP_SYS_NICE); under CPU starvation its fence margin grows instead");
+            }
+            let ran = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt.block_on(async move {
+                    // Connections made on this thread's runtime: their I/O
+                    // is driven here, not by the node's busy runtime.
+                    let pool = PgPoolOptions::new()
+                        .max_connections(3)
+                        .acquire_timeout(Duration::from_secs(2))
+                        .connect_lazy_with(options);
+                    let member =
+                        Member::new(pool, &name, lease, drain_deadline, start.all, start.slots, start.ready);
+                    run(member, start.stop).await
+                }),
+                Err(e) => Err(anyhow::Error::new(e).context("starting the coordinator thread's runtime")),
+            };
+            let _ = done.send(ran);
+        });
+        if let Err(e) = thread {
+            return Some(tokio::spawn(async move {
+                Err(anyhow::Error::new(e).context("starting the coordinator thread"))
+            }));
+        }
+        Some(tokio::spawn(async move {
+            result.await.unwrap_or_else(|_| {
+                Err(anyhow::anyhow!(
+                    "the coordinator thread ended without a result (it panicked)"
+                ))
+            })
+        }))
     }
 
     async fn status(&self) -> anyhow::Result<Option<Status>> {
@@ -93,17 +128,21 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
         owned: 0,
     };
     tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
-    let fence_after = if std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1") {
+    let late_control = std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1");
+    if late_control {
         tracing::error!(
             "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
         );
-        c.lease + TICK * 3
-    } else {
-        c.lease.saturating_sub(fence_margin(c.lease))
-    };
+    }
+    let mut margin = c.margin();
     let mut listener = Wakeups::default();
     let mut leaving: Option<Leaving> = None;
     loop {
+        let fence_after = if late_control {
+            c.lease + TICK * 3
+        } else {
+            c.lease.saturating_sub(margin.current(&c.name))
+        };
         // The fencing deadline: the last renewal sent + lease − margin
         // (none while fenced: there is nothing left to fence).
         let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
@@ -148,10 +187,16 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
             .map(|l| l.since + c.drain_deadline + c.lease);
         let wake_at = [fence_at, drain_at, give_up_at].into_iter().flatten().min();
         listener.ensure(&c, fence_at).await;
+        let tick = Instant::now() + TICK;
         tokio::select! {
-            _ = tokio::time::sleep(TICK) => {}
+            () = tokio::time::sleep_until(tick.into()) => margin.woke(tick, Instant::now()),
             () = listener.next() => {}
-            () = sleep_until(wake_at) => continue,
+            () = sleep_until(wake_at) => {
+                if let Some(due) = wake_at {
+                    margin.woke(due, Instant::now());
+                }
+                continue;
+            }
             changed = stop.changed(), if leaving.is_none() => {
                 if changed.is_err() || *stop.borrow() {
                     tracing::info!(node = %c.name, drain_deadline = ?c.drain_deadline, "leaving the cluster: draining every slot, renewing the lease until done");
