@@ -78,6 +78,46 @@ fn a_call_sleeping_in_wasi_is_interrupted_at_its_timeout() {
     assert!(result.is_ok(), "a sleep within the timeout completes: {result:?}");
 }
 
+/// Issue 15 item 4, the network: a guest granted it connects to a peer that never sends and
+/// waits in WASI's `blocking-read` (a stream method, not `poll`). Under a 1 s timeout the
+/// call ends as a timeout at about 1 s; the peer holds the connection open for 30 s, so a
+/// read the timeout does not reach would end only then (bound: timeout + 2 s).
+#[test]
+fn a_call_waiting_in_a_socket_read_is_interrupted_at_its_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        // Hold the connection, sending nothing, until the test is done (or 30 s).
+        let _ = closed_rx.recv_timeout(Duration::from_secs(30));
+        drop(conn);
+    });
+    let rt = runtime(CallBudgets::default());
+    let mut settings = HandlerSettings::new("reader");
+    settings.timeout = Duration::from_secs(1);
+    settings.wasi.network = true;
+    let v = load(&rt, settings);
+    let mut exec = Executor::new(rt);
+    let started = Instant::now();
+    let outcome = exec.call(
+        &v,
+        &message("hostile.net-read", Some("g"), addr.to_string().as_bytes()),
+        &None,
+    );
+    let took = started.elapsed();
+    let _ = closed_tx.send(());
+    peer.join().unwrap();
+    let f = fault(outcome);
+    assert_eq!(f.kind, FaultKind::Timeout, "{f}");
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_secs(3),
+        "a socket read under a 1 s timeout ended after {took:?}"
+    );
+    let (result, _) = done(exec.call(&v, &message("ok", Some("g"), b""), &None));
+    assert!(result.is_ok(), "the executor carries on after an interrupted read");
+}
+
 /// Issue 15 item 4: shutdown and fencing set the cancel flag; a sleeping call ends then as
 /// `Cancelled`, long before its timeout. Set before or during the sleep: both must cancel.
 #[test]

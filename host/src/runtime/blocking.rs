@@ -11,9 +11,11 @@
 //! A wait longer than the runtime's `demote_after` also runs the worker's long-call hook,
 //! as a CPU-heavy call does: a sleeping call gives its place in the pool to a fresh worker
 //! instead of holding it until its timeout.
-//! The blocking stream methods (`blocking-read`, `blocking-write-and-flush`, …) are left to
-//! wasmtime-wasi: on stdio they never wait, and files answer at once; only a guest granted
-//! the network could wait in them.
+//! The blocking stream methods (`blocking-read`, `blocking-write-and-flush`, …) are shadowed
+//! the same way ([`shadow_streams`]): on stdio and files they answer at once, but a guest
+//! granted the network can wait in them for as long as its peer likes.
+//! A wait that is ready at once (stdio, files, a ready pollable) is answered on the first
+//! poll, without the timers.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -23,14 +25,20 @@ use std::time::Instant;
 use anyhow::Context as _;
 use wasmtime::StoreContextMut;
 use wasmtime::component::{Linker, Resource};
-use wasmtime_wasi::p2::DynPollable;
 use wasmtime_wasi::p2::bindings::io::poll::{Host as _, HostPollable as _};
+use wasmtime_wasi::p2::bindings::io::streams::{
+    Host as _, HostInputStream as _, HostOutputStream as _, StreamError as WitStreamError,
+};
+use wasmtime_wasi::p2::{DynInputStream, DynOutputStream, DynPollable, StreamResult};
+use wasmtime_wasi::{ResourceTable, runtime::with_ambient_tokio_runtime};
 
 use super::host::{HostState, Interruption};
 
 /// The `wasi:io/poll` instance wasmtime-wasi 48 defines; guests importing an older 0.2.x
 /// resolve to it by semver.
 const POLL_INSTANCE: &str = "wasi:io/poll@0.2.12";
+/// The `wasi:io/streams` instance, likewise.
+const STREAMS_INSTANCE: &str = "wasi:io/streams@0.2.12";
 
 /// Replace `poll` and `[method]pollable.block` in `linker` (which must have WASI already).
 pub(super) fn shadow_poll(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
@@ -69,6 +77,79 @@ pub(super) fn shadow_poll(linker: &mut Linker<HostState>) -> anyhow::Result<()> 
     .context("shadowing wasi:io/poll.[method]pollable.block")?;
     linker.allow_shadowing(false);
     Ok(())
+}
+
+/// Replace the six blocking methods of `wasi:io/streams` in `linker` (which must have WASI
+/// already): each waits as wasmtime-wasi's own does, within the call's deadline and cancel flag.
+pub(super) fn shadow_streams(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+    linker.allow_shadowing(true);
+    let mut streams = linker
+        .instance(STREAMS_INSTANCE)
+        .map_err(anyhow::Error::from)
+        .with_context(|| format!("opening {STREAMS_INSTANCE} in the linker"))?;
+    /// One shadowed method: `$args` are its parameters, `$wait` the wait on `table`.
+    macro_rules! shadow {
+        ($name:literal, |$table:ident, ($($arg:ident),+ $(,)?): $ty:ty| $wait:expr) => {
+            streams
+                .func_wrap($name, |mut store: StoreContextMut<'_, HostState>, ($($arg,)+): $ty| {
+                    let state = store.data_mut();
+                    let (deadline, cancel, long) = (state.deadline, state.cancel.clone(), long_wait(state));
+                    let $table = &mut state.table;
+                    match bounded(deadline, cancel, long, $wait) {
+                        Ok(r) => Ok((stream_result(&mut state.table, r)?,)),
+                        Err(why) => Err(interrupt(state, why)),
+                    }
+                })
+                .map_err(anyhow::Error::from)
+                .context(concat!("shadowing wasi:io/streams.", $name))?;
+        };
+    }
+    shadow!("[method]input-stream.blocking-read", |t,
+                                                   (s, len): (
+        Resource<DynInputStream>,
+        u64
+    )| t.blocking_read(s, len));
+    shadow!("[method]input-stream.blocking-skip", |t,
+                                                   (s, len): (
+        Resource<DynInputStream>,
+        u64
+    )| t.blocking_skip(s, len));
+    shadow!("[method]output-stream.blocking-write-and-flush", |t,
+                                                               (s, bytes): (
+        Resource<DynOutputStream>,
+        Vec<u8>
+    )| {
+        t.blocking_write_and_flush(s, bytes)
+    });
+    shadow!("[method]output-stream.blocking-write-zeroes-and-flush", |t,
+                                                                      (s, len): (
+        Resource<DynOutputStream>,
+        u64
+    )| {
+        t.blocking_write_zeroes_and_flush(s, len)
+    });
+    shadow!("[method]output-stream.blocking-flush", |t,
+                                                     (s,): (
+        Resource<DynOutputStream>,
+    )| t.blocking_flush(s));
+    shadow!("[method]output-stream.blocking-splice", |t,
+                                                      (d, s, len): (
+        Resource<DynOutputStream>,
+        Resource<DynInputStream>,
+        u64
+    )| {
+        t.blocking_splice(d, s, len)
+    });
+    linker.allow_shadowing(false);
+    Ok(())
+}
+
+/// A stream method's result as the guest sees it (a trap stays a trap).
+fn stream_result<T>(table: &mut ResourceTable, r: StreamResult<T>) -> wasmtime::Result<Result<T, WitStreamError>> {
+    match r {
+        Ok(v) => Ok(Ok(v)),
+        Err(e) => Ok(Err(table.convert_stream_error(e)?)),
+    }
 }
 
 /// What to run if this wait outlives `demote_after`: the worker's long-call hook (which does
@@ -120,6 +201,16 @@ fn bounded<F: Future>(
     let is_cancelled = |c: &Option<Arc<AtomicBool>>| c.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
     if is_cancelled(&cancel) {
         return Err(Interruption::Cancelled);
+    }
+    // Most waits are ready at once (a log line, a ready pollable): answer those without
+    // setting up the timers. Polled in wasmtime-wasi's runtime, which its I/O needs.
+    let mut fut = std::pin::pin!(fut);
+    let first = with_ambient_tokio_runtime(|| {
+        fut.as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    });
+    if let std::task::Poll::Ready(out) = first {
+        return Ok(out);
     }
     wasmtime_wasi::runtime::in_tokio(async move {
         let timeout = async {

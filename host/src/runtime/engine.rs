@@ -79,6 +79,7 @@ impl Runtime {
             .map_err(anyhow::Error::from)
             .context("linking WASI")?;
         blocking::shadow_poll(&mut linker)?;
+        blocking::shadow_streams(&mut linker)?;
         Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(anyhow::Error::from)
             .context("linking weir:handler/host@0.2.0")?;

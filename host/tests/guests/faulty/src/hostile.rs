@@ -32,6 +32,7 @@ pub fn handle(kind: &str, msg: &Message) -> Result<(), Failure> {
             std::thread::sleep(Duration::from_millis(ms as u64));
             Ok(())
         }
+        "net-read" => net_read(&text),
         "publish-bytes" | "publish-ok" => {
             let (size, count) = text
                 .split_once(' ')
@@ -89,4 +90,43 @@ fn big_text(n: usize) -> String {
     }
     s.truncate(n.max(1));
     s
+}
+
+/// Connect to `addr` (`a.b.c.d:port`, a node granted the network) and wait in WASI's
+/// `blocking-read` for a byte the peer never sends.
+fn net_read(addr: &str) -> Result<(), Failure> {
+    use wasip2::sockets::network::{IpAddressFamily, IpSocketAddress, Ipv4SocketAddress};
+    let bad = |e: String| Failure::reject(format!("hostile.net-read {addr}: {e}"));
+    let (ip, port) = addr.split_once(':').ok_or_else(|| bad("want a.b.c.d:port".into()))?;
+    let octets: Vec<u8> = ip
+        .split('.')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad(format!("{e}")))?;
+    let [a, b, c, d] = octets[..] else {
+        return Err(bad("want four octets".into()));
+    };
+    let port: u16 = port.parse().map_err(|e| bad(format!("{e}")))?;
+    let network = wasip2::sockets::instance_network::instance_network();
+    let socket = wasip2::sockets::tcp_create_socket::create_tcp_socket(IpAddressFamily::Ipv4)
+        .map_err(|e| bad(format!("create: {e:?}")))?;
+    let to = IpSocketAddress::Ipv4(Ipv4SocketAddress {
+        port,
+        address: (a, b, c, d),
+    });
+    socket
+        .start_connect(&network, to)
+        .map_err(|e| bad(format!("connect: {e:?}")))?;
+    let (input, _output) = loop {
+        match socket.finish_connect() {
+            Ok(streams) => break streams,
+            Err(wasip2::sockets::network::ErrorCode::WouldBlock) => socket.subscribe().block(),
+            Err(e) => return Err(bad(format!("connect: {e:?}"))),
+        }
+    };
+    weir_guest::log::info(&format!("hostile.net-read: connected to {addr}, reading"));
+    match input.blocking_read(1) {
+        Ok(bytes) => Err(bad(format!("read {} bytes", bytes.len()))),
+        Err(e) => Err(bad(format!("read: {e:?}"))),
+    }
 }
