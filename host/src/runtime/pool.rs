@@ -201,7 +201,9 @@ impl Shared {
     }
 
     /// Send `job` to the background workers when one of its calls is of a failing tenant;
-    /// the job back otherwise (or when the pool is shutting down).
+    /// the job back otherwise (or when the pool is shutting down). A job moves whole: an
+    /// `Each` job is one lane's run (one tenant, one group), whose calls must stay in order
+    /// on one worker; a `Batches` job is one slot's flush, split by nobody.
     fn to_background(self: &Arc<Self>, job: Job) -> Result<(), Job> {
         // Fair share off (no `demote_after`): failing work is not moved either.
         if self.runtime.options().demote_after.is_none() {
@@ -217,10 +219,13 @@ impl Shared {
             if debts.values().all(|&(d, at)| decayed(d, at, now) <= threshold) {
                 return Err(job);
             }
+            // A tenant's key is its name: looked up without building it.
             let over = |h: &HandlerVersion, m: &Envelope| {
-                debts
-                    .get(&debtor(h, m))
-                    .is_some_and(|&(d, at)| decayed(d, at, now) > FAILING_CPU.as_nanos() as f64)
+                let debt = match h.tenant() {
+                    Some(t) => debts.get(&*t.name),
+                    None => debts.get(&debtor(h, m)),
+                };
+                debt.is_some_and(|&(d, at)| decayed(d, at, now) > threshold)
             };
             match &job {
                 Job::Each { items, .. } => items.iter().any(|(h, m)| over(h, m)),
