@@ -20,7 +20,27 @@ use weir::transport::Transport;
 /// this worktree's build: the shared target directory's `debug/weir` is
 /// relinked by every worktree that builds), else Cargo's.
 pub fn weir_bin() -> String {
-    std::env::var("WEIR_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_weir").to_owned())
+    std::env::var("WEIR_TEST_BIN").unwrap_or_else(|_| package_bin("weir", option_env!("CARGO_BIN_EXE_weir")))
+}
+
+/// A binary of the `weir` package: `cargo` (its `CARGO_BIN_EXE_…`, set in the host's own
+/// tests), else the one beside this test executable's directory (`target/<profile>/`), which
+/// `cargo test --workspace` builds before it runs the end-to-end crate (`tests/`).
+pub fn package_bin(name: &str, cargo: Option<&str>) -> String {
+    if let Some(path) = cargo {
+        return path.to_owned();
+    }
+    let exe = std::env::current_exe().expect("the test executable's path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe.parent().and_then(std::path::Path::parent).expect("a test executable under target/");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: the end-to-end tests run the `{name}` binary of the weir package; \
+         `cargo test --workspace` builds it first, or build it with `cargo build -p weir`",
+        path.display()
+    );
+    path.display().to_string()
 }
 
 /// One `weir run` process.

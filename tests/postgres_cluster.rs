@@ -29,8 +29,9 @@
 //! `common::cluster::weir_bin`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "../host/tests/common/mod.rs"]
 mod common;
-#[path = "common/proxy.rs"]
+#[path = "../host/tests/common/proxy.rs"]
 mod proxy;
 
 use std::collections::{HashMap, HashSet};

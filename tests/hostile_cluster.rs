@@ -8,6 +8,7 @@
 //! broker requeues A's unacknowledged message for B. Without the interruption, A's call
 //! outlives the wait and runs alongside B's.
 
+#[path = "../host/tests/common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};

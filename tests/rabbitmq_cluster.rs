@@ -22,6 +22,7 @@
 //!   because every slot queue has a single active consumer.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "../host/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;

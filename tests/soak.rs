@@ -12,9 +12,14 @@
 //! (configs, node logs, `events.log`, `summary.json`) and names it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "../host/tests/common/mod.rs"]
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
+
+use common::cluster;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -35,14 +40,14 @@ fn soak(broker: &str, seed: u64, args: &[&str]) -> Run {
         "soak-{broker}-{seed}-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     ));
-    let out = Command::new(env!("CARGO_BIN_EXE_weir-soak"))
+    let out = Command::new(cluster::package_bin("weir-soak", option_env!("CARGO_BIN_EXE_weir-soak")))
         .args([
             "--broker",
             broker,
             "--seed",
             &seed.to_string(),
             "--weir",
-            env!("CARGO_BIN_EXE_weir"),
+            &cluster::weir_bin(),
         ])
         .arg("--dir")
         .arg(&dir)
