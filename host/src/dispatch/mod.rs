@@ -83,8 +83,8 @@ impl Pipeline {
     }
 }
 
-/// How every slot of one topology is run: [`SlotSettings`] but for the
-/// slot itself.
+/// How every slot of one topology is run (a slot's own settings,
+/// [`SlotSettings`], add the slot and its counters).
 #[derive(Debug, Clone)]
 pub struct TopologySettings {
     /// Topology name.
@@ -117,65 +117,38 @@ pub struct TopologySettings {
     pub inject_panic: Option<Arc<InjectedPanic>>,
 }
 
-/// How one slot is run.
+/// How one slot is run: its topology's settings (reached through `Deref`:
+/// `s.prefetch`), the slot, and its counters.
 #[derive(Debug, Clone)]
 pub struct SlotSettings {
-    /// Topology name.
-    pub topology: Arc<str>,
+    /// How every slot of the topology runs.
+    pub per_topology: TopologySettings,
     /// The slot this runner consumes.
     pub slot: u32,
     /// Outcomes of this slot's messages (`weir_slot_messages_total`).
     pub counters: Arc<OutcomeCounters>,
-    /// Slots in the topology (for cascades).
-    pub slots: u32,
-    /// Lanes (groups) running at once in this slot.
-    pub max_concurrent_groups: usize,
-    /// Jobs of unordered messages running at once in this slot.
-    pub max_unordered: usize,
-    /// Unsettled deliveries the broker may hand this runner.
-    pub prefetch: u32,
-    /// Messages of one lane handed to a worker in one job (they still run
-    /// one after another).
-    pub max_run: usize,
-    /// The retry ladder as this broker serves it.
-    pub schedule: Schedule,
-    /// Negative control for tests: ignore groups, run every message as if
-    /// unordered. Breaks guarantee 1 on purpose; never set it in production.
-    #[doc(hidden)]
-    pub bypass_lanes: bool,
-    /// Negative control for tests: run batches in a lane of their own
-    /// instead of their group's (the classic batcher beside the lanes).
-    /// Breaks guarantee 1 on purpose; never set it in production.
-    #[doc(hidden)]
-    pub bypass_batch_lanes: bool,
-    /// Fault injection for tests: the job holding the first message of this
-    /// type panics (once per node). Never set in production.
-    #[doc(hidden)]
-    pub inject_panic: Option<Arc<InjectedPanic>>,
+}
+
+impl std::ops::Deref for SlotSettings {
+    type Target = TopologySettings;
+
+    fn deref(&self) -> &TopologySettings {
+        &self.per_topology
+    }
 }
 
 impl TopologySettings {
     /// The settings of `slot`, counted in `counters`.
     pub fn for_slot(&self, slot: u32, counters: Arc<OutcomeCounters>) -> SlotSettings {
-        let t = self.clone();
         SlotSettings {
-            topology: t.topology,
+            per_topology: self.clone(),
             slot,
             counters,
-            slots: t.slots,
-            max_concurrent_groups: t.max_concurrent_groups,
-            max_unordered: t.max_unordered,
-            prefetch: t.prefetch,
-            max_run: t.max_run,
-            schedule: t.schedule,
-            bypass_lanes: t.bypass_lanes,
-            bypass_batch_lanes: t.bypass_batch_lanes,
-            inject_panic: t.inject_panic,
         }
     }
 }
 
-/// A panic a test asks for, fired once: see [`SlotSettings::inject_panic`].
+/// A panic a test asks for, fired once: see [`TopologySettings::inject_panic`].
 #[doc(hidden)]
 #[derive(Debug, Default)]
 pub struct InjectedPanic {
