@@ -544,6 +544,21 @@ impl CallObserver for Threads {
 /// stay on the normal workers.
 #[test]
 fn a_failing_tenants_calls_move_to_the_background_workers() {
+    moves_to_the_background("hostile.reject-bytes");
+}
+
+/// The same for a tenant whose calls answer `ok` but flood the log past the call's budget
+/// (1 MiB lines against the default budget): the CPU of a call over its log budget is
+/// charged like a failure's. Without that, `weir-bench hostile`'s log-10MiB-line row kept
+/// the good tenant at 0.20 of its solo rate on a quiet machine.
+#[test]
+fn a_log_flooding_tenants_calls_move_to_the_background_workers() {
+    moves_to_the_background("hostile.log-bytes");
+}
+
+/// Calls of `bad_type` (1 MiB each) by one tenant, then turns with a good tenant: the bad
+/// one's jobs must reach the background workers, the good one's never.
+fn moves_to_the_background(bad_type: &str) {
     let threads = Arc::new(Threads::default());
     let rt = Runtime::with_observer(options(16, CallBudgets::default()), threads.clone()).expect("runtime starts");
     let bad = load(&rt, HandlerSettings::new("failing"));
@@ -556,7 +571,7 @@ fn a_failing_tenants_calls_move_to_the_background_workers() {
     async_rt.block_on(async {
         // Each 1 MiB reason costs a millisecond or more: 50 ms of debt within 2000 calls.
         for _ in 0..2000 {
-            let m = message("hostile.reject-bytes", Some("bad"), b"1048576");
+            let m = message(bad_type, Some("bad"), b"1048576");
             pool.run_each(vec![(bad.clone(), m)], None)
                 .await
                 .expect("the pool answers");
@@ -572,7 +587,7 @@ fn a_failing_tenants_calls_move_to_the_background_workers() {
             pool.run_each(vec![(good.clone(), m)], None)
                 .await
                 .expect("the pool answers");
-            let m = message("hostile.reject-bytes", Some("bad"), b"1048576");
+            let m = message(bad_type, Some("bad"), b"1048576");
             pool.run_each(vec![(bad.clone(), m)], None)
                 .await
                 .expect("the pool answers");
@@ -598,12 +613,12 @@ fn a_failing_tenants_calls_move_to_the_background_workers() {
     // was seen. Without the rule none ever do.
     let background = seen
         .iter()
-        .filter(|(t, th)| t == "hostile.reject-bytes" && th == "weir-background")
+        .filter(|(t, th)| t == bad_type && th == "weir-background")
         .count();
     assert!(
         background >= 2,
         "the failing tenant ran in the background {background} times (once at least, then again while taking turns): last 20 {:?}",
-        on("hostile.reject-bytes")
+        on(bad_type)
     );
     let good: Vec<&String> = seen.iter().filter(|(t, _)| t == "ok").map(|(_, th)| th).collect();
     assert!(

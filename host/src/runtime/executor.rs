@@ -36,6 +36,8 @@ pub struct Executor {
     pub(super) calls: u64,
     /// [`RETIREMENTS`] when the cache was last swept of retired versions.
     pub(super) swept: u64,
+    /// The last call wrote more log than its budget allows (see [`Executor::over_budget`]).
+    pub(super) over_budget: bool,
 }
 
 impl Executor {
@@ -53,6 +55,7 @@ impl Executor {
             cache,
             calls: 0,
             swept: 0,
+            over_budget: false,
         }
     }
 
@@ -183,11 +186,20 @@ impl Executor {
         data.log.reset();
     }
 
-    /// After every call, answered or not: one marker line for the log it dropped.
-    fn finish(inst: &mut Instance) {
+    /// The last call went over its log budget (its log was dropped or cut): the worker
+    /// pool charges its CPU to its tenant as it does a failure's, so a guest that floods
+    /// the log, answering `ok` each time, gets no more than a failing one.
+    pub fn over_budget(&self) -> bool {
+        self.over_budget
+    }
+
+    /// After every call, answered or not: one marker line for the log it dropped. True
+    /// when it dropped any.
+    fn finish(inst: &mut Instance) -> bool {
         let data = inst.store.data_mut();
         let (lines, bytes) = data.log.reset();
-        if lines > 0 || bytes > 0 {
+        let over = lines > 0 || bytes > 0;
+        if over {
             let counters = &data.settings.budget;
             counters.log_lines_dropped.fetch_add(lines, Ordering::Relaxed);
             counters.log_bytes_dropped.fetch_add(bytes, Ordering::Relaxed);
@@ -201,6 +213,7 @@ impl Executor {
                 "guest log over its per-call budget (node.budgets, or its tenant's): the rest of this call's log was dropped or cut"
             );
         }
+        over
     }
 
     /// A failure text cut to the error budget, counted when cut.
@@ -265,6 +278,7 @@ impl Executor {
         msg: &Envelope,
         cancel: &Option<Arc<AtomicBool>>,
     ) -> CallOutcome {
+        self.over_budget = false;
         let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
             Err(f) => return CallOutcome::Fault(f),
@@ -282,7 +296,7 @@ impl Executor {
         if let Some(o) = &self.runtime.observer {
             o.after(msg);
         }
-        Self::finish(&mut inst);
+        self.over_budget = Self::finish(&mut inst);
         match r {
             Ok(mut result) => {
                 let data = inst.store.data_mut();
@@ -326,6 +340,7 @@ impl Executor {
                 unattributed: Vec::new(),
             };
         };
+        self.over_budget = false;
         let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
             Err(f) => return BatchOutcome::Fault(f),
@@ -346,7 +361,7 @@ impl Executor {
         if let Some(o) = &self.runtime.observer {
             o.after_batch(batch);
         }
-        Self::finish(&mut inst);
+        self.over_budget = Self::finish(&mut inst);
         match r {
             // Over the cascade byte budget: the members are replayed one by one, so the
             // budget lands on the member that exceeds it.

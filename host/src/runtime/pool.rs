@@ -63,7 +63,8 @@ pub enum Job {
 /// The rest of the demoted worker's job (calls not yet started, of other
 /// lanes too) is handed back to the queue for a worker at normal priority.
 ///
-/// Failing work is charged too: the CPU a call that failed took on its
+/// Failing work is charged too, and so is a call that went over its log
+/// budget (a flood answered `ok`): the CPU a call that failed took on its
 /// worker (the guest's part, and the host's: re-instantiating after a trap,
 /// building and cutting the failure text) is added to its tenant's debt,
 /// which halves every [`FAILING_HALF_LIFE`]. While a tenant's debt is above
@@ -269,7 +270,7 @@ impl Shared {
         tx.send(job).map_err(|crossbeam_channel::SendError(job)| job)
     }
 
-    /// Charge `cpu` to `debtor` when its call failed.
+    /// Charge `cpu` to `debtor` when its call failed or went over its log budget.
     fn charge(&self, h: &HandlerVersion, msg: Option<&Envelope>, cpu: Duration) {
         let Some(msg) = msg else { return };
         let now = Instant::now();
@@ -436,7 +437,7 @@ fn run(exec: &mut Executor, job: Job, shared: &Shared) {
             while let Some((h, msg)) = items.next() {
                 let started = super::host::thread_cpu_time();
                 let outcome = exec.call(&h, &msg, &cancel);
-                if failed(&outcome) {
+                if failed(&outcome) || exec.over_budget() {
                     shared.charge(&h, Some(&msg), super::host::thread_cpu_time().saturating_sub(started));
                 }
                 done.push((msg, outcome));
@@ -468,7 +469,7 @@ fn run(exec: &mut Executor, job: Job, shared: &Shared) {
         } => {
             let started = super::host::thread_cpu_time();
             let outcome = exec.call_batch(&handler, &batch, &cancel);
-            if batch_failed(&outcome) {
+            if batch_failed(&outcome) || exec.over_budget() {
                 let cpu = super::host::thread_cpu_time().saturating_sub(started);
                 shared.charge(&handler, batch.first(), cpu);
             }
@@ -484,7 +485,7 @@ fn run(exec: &mut Executor, job: Job, shared: &Shared) {
             while let Some((h, batch)) = calls.next() {
                 let started = super::host::thread_cpu_time();
                 let outcome = exec.call_batch(&h, &batch, &cancel);
-                if batch_failed(&outcome) {
+                if batch_failed(&outcome) || exec.over_budget() {
                     shared.charge(
                         &h,
                         batch.first(),
