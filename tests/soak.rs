@@ -40,22 +40,25 @@ fn soak(broker: &str, seed: u64, args: &[&str]) -> Run {
         "soak-{broker}-{seed}-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     ));
-    let out = Command::new(cluster::package_bin("weir-soak", option_env!("CARGO_BIN_EXE_weir-soak")))
-        .args([
-            "--broker",
-            broker,
-            "--seed",
-            &seed.to_string(),
-            "--weir",
-            &cluster::weir_bin(),
-        ])
-        .arg("--dir")
-        .arg(&dir)
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
+    let out = Command::new(cluster::package_bin(
+        "weir-soak",
+        option_env!("CARGO_BIN_EXE_weir-soak"),
+    ))
+    .args([
+        "--broker",
+        broker,
+        "--seed",
+        &seed.to_string(),
+        "--weir",
+        &cluster::weir_bin(),
+    ])
+    .arg("--dir")
+    .arg(&dir)
+    .args(args)
+    .stdin(Stdio::null())
+    .stderr(Stdio::inherit())
+    .output()
+    .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     // The summary goes to the run's log (straight to stderr: the test
     // harness would hold it back for a passing test), and is kept beside the

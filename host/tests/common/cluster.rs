@@ -32,7 +32,10 @@ pub fn package_bin(name: &str, cargo: Option<&str>) -> String {
     }
     let exe = std::env::current_exe().expect("the test executable's path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
-    let dir = exe.parent().and_then(std::path::Path::parent).expect("a test executable under target/");
+    let dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("a test executable under target/");
     let path = dir.join(name);
     assert!(
         path.exists(),
