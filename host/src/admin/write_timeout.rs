@@ -102,7 +102,11 @@ mod tests {
         let limit = Duration::from_millis(300);
         let mut w = WriteTimeout::new(a, limit);
         let start = tokio::time::Instant::now();
-        let e = w.write_all(&[0u8; 64 * 1024]).await.unwrap_err();
+        // Bounded, so that a write timeout that never fires fails the test instead of hanging it.
+        let e = tokio::time::timeout(Duration::from_secs(10), w.write_all(&[0u8; 64 * 1024]))
+            .await
+            .expect("the stalled write never timed out")
+            .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert!(start.elapsed() >= limit, "{:?}", start.elapsed());
     }
