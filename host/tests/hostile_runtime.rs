@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use weir::runtime::pool::WorkerPool;
 use weir::runtime::stdio::LogRate;
 use weir::runtime::{
     BatchOutcome, CallBudgets, CallObserver, CallOutcome, Executor, FaultKind, HandlerSettings, HandlerVersion,
-    Runtime, RuntimeOptions, TenantShare,
+    Interrupt, Runtime, RuntimeOptions, TenantShare,
 };
 
 use common::{faulty_bytes, message};
@@ -127,7 +127,7 @@ fn cancel_interrupts_a_call_sleeping_in_wasi() {
     settings.timeout = Duration::from_secs(60);
     let v = load(&rt, settings);
     let pool = WorkerPool::new(rt, 1).expect("pool starts");
-    let cancel = Arc::new(AtomicBool::new(false));
+    let cancel = Arc::new(Interrupt::default());
     let async_rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -138,9 +138,12 @@ fn cancel_interrupts_a_call_sleeping_in_wasi() {
             vec![(v.clone(), message("hostile.sleep", Some("g"), b"60000"))],
             Some(cancel.clone()),
         );
+        // Once the call is inside guest code (a cancel before it refuses the call).
         let cancel_it = async {
-            tokio::task::yield_now().await;
-            cancel.store(true, Ordering::Relaxed);
+            while cancel.running() == 0 {
+                tokio::task::yield_now().await;
+            }
+            cancel.cancel();
         };
         let (outcomes, ()) = tokio::join!(run, cancel_it);
         outcomes
@@ -494,7 +497,7 @@ fn a_sleeping_call_gives_its_worker_place_to_a_fresh_one() {
     settings.timeout = Duration::from_secs(60);
     let v = load(&rt, settings);
     let pool = WorkerPool::new(rt, 1).expect("pool starts");
-    let cancel = Arc::new(AtomicBool::new(false));
+    let cancel = Arc::new(Interrupt::default());
     let async_rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -510,7 +513,7 @@ fn a_sleeping_call_gives_its_worker_place_to_a_fresh_one() {
                 pool.run_each(vec![(v.clone(), message("ok", Some("other"), b""))], None),
             )
             .await;
-            cancel.store(true, Ordering::Relaxed);
+            cancel.cancel();
             outcomes
         };
         let (slept, other) = tokio::join!(sleeper, other);

@@ -9,12 +9,11 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use weir::runtime::bindings::weir::handler::types::Failure;
 use weir::runtime::{
-    BatchOutcome, CallOutcome, Executor, FaultKind, HandlerSettings, HandlerVersion, InstanceMode, Runtime,
+    BatchOutcome, CallOutcome, Executor, FaultKind, HandlerSettings, HandlerVersion, InstanceMode, Interrupt, Runtime,
     RuntimeOptions,
 };
 
@@ -236,12 +235,15 @@ fn each_fault_has_its_kind() {
     let f = fault(exec.call(&v, &message("recurse", None, b""), &None));
     assert_eq!(f.kind, FaultKind::Trap, "{f}");
 
-    let cancel = Arc::new(AtomicBool::new(false));
+    let cancel = Arc::new(Interrupt::default());
     let setter = {
         let cancel = cancel.clone();
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+            // Once the call is inside guest code (a cancel before it would refuse it).
+            while cancel.running() == 0 {
+                std::thread::yield_now();
+            }
+            cancel.cancel();
         })
     };
     let f = fault(exec.call(&v, &message("loop", None, b""), &Some(cancel)));

@@ -9,10 +9,18 @@
 //! timeout, an aborted release) leaves nothing behind: the runner still
 //! stops, the slot still leaves the set, and any later drain waits for the
 //! same end.
+//!
+//! Fencing does not wait for the drain: it interrupts the calls, stops the
+//! runners and returns once no call of those slots runs guest code any more
+//! and none can start ([`crate::runtime::Interrupt::calls_ended`]). What is
+//! left of the drain (releases, acks, closing the consumer) is broker
+//! traffic that harms nobody, and may be slow exactly when a fence is
+//! urgent; the slots stay in the set until it is done, so none is started
+//! again before.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -112,7 +120,7 @@ impl SlotSet {
         }
         let settings = topology.for_slot(key.1, self.pipeline.stats.slot(&topology.topology, key.1));
         let (stop, stop_rx) = watch::channel(false);
-        let cancel: CancelCell = Arc::new(Mutex::new(Arc::new(AtomicBool::new(false))));
+        let cancel: CancelCell = Arc::new(Mutex::new(Arc::default()));
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
         let task = self.runtime.spawn((self.supervisor)(
             self.pipeline.clone(),
@@ -178,12 +186,16 @@ impl SlotSet {
         report.lock().take()
     }
 
-    /// Interrupt the running calls of `key`, then drain it (ownership lost).
-    pub async fn fence(&self, key: &SlotKey) -> Option<RunnerReport> {
-        if let Some(r) = self.running.lock().get(key) {
-            r.cancel.lock().store(true, Ordering::Relaxed);
-        }
-        self.drain(key).await
+    /// Ownership of `key` is lost: interrupt its calls and stop it; returns
+    /// once none of its calls runs (see the module docs). Its drain goes on
+    /// in the background.
+    pub async fn fence(&self, key: &SlotKey) {
+        let fenced = {
+            let running = self.running.lock();
+            let Some(r) = running.get(key) else { return };
+            stop(r)
+        };
+        calls_ended(&fenced).await;
     }
 
     /// Interrupt the running calls of every slot without draining them:
@@ -191,7 +203,7 @@ impl SlotSet {
     /// of a leaving node).
     pub fn interrupt_all(&self) {
         for r in self.running.lock().values() {
-            r.cancel.lock().store(true, Ordering::Relaxed);
+            r.cancel.lock().cancel();
         }
     }
 
@@ -202,10 +214,41 @@ impl SlotSet {
         futures::future::join_all(drains).await.into_iter().flatten().collect()
     }
 
-    /// Fence every slot at once.
-    pub async fn fence_all(&self) -> Vec<RunnerReport> {
+    /// [`SlotSet::fence`] every slot at once: returns once no call of this
+    /// node runs guest code and none can start.
+    pub async fn fence_all(&self) {
+        let fenced: Vec<CancelCell> = self.running.lock().values().map(stop).collect();
+        futures::future::join_all(fenced.iter().map(calls_ended)).await;
+    }
+
+    /// Interrupt every call and wait for every runner's end (a leaving
+    /// node's last step).
+    pub async fn interrupt_and_drain_all(&self) -> Vec<RunnerReport> {
         self.interrupt_all();
         self.drain_all().await
+    }
+}
+
+/// Stop a runner and interrupt its calls; its cancel cell.
+fn stop(r: &Running) -> CancelCell {
+    // The stop first: a supervisor that starts a new runner after it
+    // (an old one failed) lets that runner consume nothing.
+    let _ = r.stop.send(true);
+    r.cancel.lock().cancel();
+    r.cancel.clone()
+}
+
+/// Once the runner in `cell` has no call in guest code. A supervisor may
+/// have put a new runner in since the cancel: cancel and wait for that one
+/// too.
+async fn calls_ended(cell: &CancelCell) {
+    loop {
+        let interrupt = cell.lock().clone();
+        interrupt.cancel();
+        interrupt.calls_ended().await;
+        if Arc::ptr_eq(&interrupt, &cell.lock()) {
+            return;
+        }
     }
 }
 
@@ -236,6 +279,22 @@ mod tests {
     /// A set of one topology `t` whose runners wait for their stop, then
     /// for a permit of `gate` (a call still running), then end.
     fn set(gate: Arc<Semaphore>) -> SlotSet {
+        let supervisor: Supervisor = Arc::new(move |_, _, mut stop, _| {
+            let gate = gate.clone();
+            Box::pin(async move {
+                let _ = stop.wait_for(|s| *s).await;
+                gate.acquire().await.unwrap().forget();
+                Ok(RunnerReport {
+                    received: 7,
+                    ..RunnerReport::default()
+                })
+            })
+        });
+        with(supervisor)
+    }
+
+    /// A set of one topology `t` of two slots whose runners run `supervisor`.
+    fn with(supervisor: Supervisor) -> SlotSet {
         let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeOptions::default()).unwrap();
         let pipeline = Arc::new(Pipeline {
             transport: Arc::new(crate::transport::memory::MemoryBroker::new()),
@@ -256,17 +315,6 @@ mod tests {
             bypass_batch_lanes: false,
             inject_panic: None,
         };
-        let supervisor: Supervisor = Arc::new(move |_, _, mut stop, _| {
-            let gate = gate.clone();
-            Box::pin(async move {
-                let _ = stop.wait_for(|s| *s).await;
-                gate.acquire().await.unwrap().forget();
-                Ok(RunnerReport {
-                    received: 7,
-                    ..RunnerReport::default()
-                })
-            })
-        });
         SlotSet::with_supervisor(pipeline, HashMap::from([("t".to_owned(), settings)]), supervisor)
     }
 
@@ -307,7 +355,7 @@ mod tests {
         assert!(set.drain(&key).await.is_some());
     }
 
-    /// `fence_all` aborts the releases in progress (their drains): the
+    /// A leaving node aborts the releases in progress (their drains): the
     /// drain it does itself still waits for those runners' end.
     #[tokio::test]
     async fn an_aborted_drain_task_is_waited_for_by_drain_all() {
@@ -327,15 +375,79 @@ mod tests {
         let _ = release.await;
         let all = tokio::spawn({
             let set = set.clone();
-            async move { set.fence_all().await }
+            async move { set.interrupt_and_drain_all().await }
         });
         gate.add_permits(1);
         let reports = all.await.unwrap();
         assert_eq!(
             reports.len(),
             1,
-            "fence_all waited for the slot whose release was aborted"
+            "the drain waited for the slot whose release was aborted"
         );
         assert!(set.running().is_empty());
+    }
+
+    /// A fence ends when the calls do, not when the drain does: the runner
+    /// below has one call in guest code (a thread holding its interrupt's
+    /// entry until cancelled and let go) and a drain held by `gate` (the
+    /// broker's close, slow on a starved machine). `fence_all` must wait
+    /// for the call and return without the drain; the slot stays in the set
+    /// until its runner ends, so it cannot be started twice.
+    #[tokio::test]
+    async fn a_fence_waits_for_the_calls_and_not_for_the_drain() {
+        let gate = Arc::new(Semaphore::new(0));
+        let release_call = Arc::new(std::sync::Barrier::new(2));
+        let supervisor: Supervisor = Arc::new({
+            let (gate, release_call) = (gate.clone(), release_call.clone());
+            move |_, _, mut stop, cell: CancelCell| {
+                let (gate, release_call) = (gate.clone(), release_call.clone());
+                Box::pin(async move {
+                    let interrupt = cell.lock().clone();
+                    let call = std::thread::spawn(move || {
+                        let entered = interrupt.enter().expect("not cancelled yet");
+                        while !interrupt.is_cancelled() {
+                            std::thread::yield_now();
+                        }
+                        release_call.wait();
+                        drop(entered);
+                    });
+                    let _ = stop.wait_for(|s| *s).await;
+                    gate.acquire().await.unwrap().forget();
+                    call.join().unwrap();
+                    Ok(RunnerReport::default())
+                })
+            }
+        });
+        let set = Arc::new(with(supervisor));
+        let key: SlotKey = ("t".into(), 0);
+        assert!(set.start(&key));
+        let cell = set.running.lock().get(&key).unwrap().cancel.clone();
+        while cell.lock().running() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let fence = tokio::spawn({
+            let set = set.clone();
+            async move { set.fence_all().await }
+        });
+        // The call is still in guest code: the fence waits.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!fence.is_finished(), "the fence returned while a call ran");
+        tokio::task::spawn_blocking({
+            let release_call = release_call.clone();
+            move || release_call.wait()
+        })
+        .await
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), fence)
+            .await
+            .expect("the fence returned once the call ended, its drain still held")
+            .unwrap();
+        assert!(set.is_running(&key), "the slot drains on, still in the set");
+        assert!(!set.start(&key), "and cannot be started twice meanwhile");
+        gate.add_permits(1);
+        assert!(set.drain(&key).await.is_some());
+        assert!(!set.is_running(&key));
     }
 }

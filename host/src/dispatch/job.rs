@@ -4,14 +4,14 @@
 //! hand every outcome to [`crate::settle`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use crate::bindings::weir::handler::types::Failure;
 use crate::envelope::Envelope;
 use crate::observe::stats::FlushReason;
 use crate::outcome::Reason;
 use crate::retry::schedule::{Redelivery, Schedule};
-use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion};
+use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion, Interrupt};
 use crate::settle::Pending;
 use crate::settle::capture::capture_envelope;
 use crate::settle::cascades::publish_cascades;
@@ -130,7 +130,7 @@ async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<E
 async fn call_each(
     p: &Pipeline,
     items: Vec<(Arc<HandlerVersion>, Envelope)>,
-    cancel: Arc<AtomicBool>,
+    cancel: Arc<Interrupt>,
 ) -> Option<Vec<(Envelope, CallOutcome)>> {
     match p.pool.run_each(items, Some(cancel)).await {
         Ok(o) => Some(o),
@@ -142,7 +142,7 @@ async fn call_each(
 }
 
 /// Run one lane's messages (in order, on one worker) and settle each.
-pub(super) async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<AtomicBool>, run: Vec<Delivery>) {
+pub(super) async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<Interrupt>, run: Vec<Delivery>) {
     let (envs, pending) = admit_all(&p, &s, run).await;
     if envs.is_empty() {
         return;
@@ -168,7 +168,7 @@ pub(super) async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc
 pub(super) async fn run_batches(
     p: Arc<Pipeline>,
     s: Arc<SlotSettings>,
-    cancel: Arc<AtomicBool>,
+    cancel: Arc<Interrupt>,
     batches: Vec<(Vec<Delivery>, FlushReason)>,
 ) {
     let mut calls = Vec::with_capacity(batches.len());
@@ -223,7 +223,7 @@ async fn batch_outcomes(
     handler: &Arc<HandlerVersion>,
     batch: Vec<Envelope>,
     outcome: BatchOutcome,
-    cancel: &Arc<AtomicBool>,
+    cancel: &Arc<Interrupt>,
 ) -> Option<Vec<(Envelope, CallOutcome)>> {
     match outcome {
         BatchOutcome::Done {

@@ -4,7 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt as _;
@@ -13,6 +13,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
 
 use crate::outcome::Outcome;
+use crate::runtime::Interrupt;
 use crate::settle::capture::capture_undecodable;
 use crate::transport::{Delivery, Disposition};
 
@@ -52,7 +53,7 @@ const BURST: usize = 512;
 pub struct SlotRunner {
     p: Arc<Pipeline>,
     s: Arc<SlotSettings>,
-    cancel: Arc<AtomicBool>,
+    cancel: Arc<Interrupt>,
     lanes: LaneMap,
     ready: VecDeque<u64>,
     /// Lanes whose head batch lingers, by deadline (stale entries skipped).
@@ -74,7 +75,7 @@ impl SlotRunner {
         Self {
             p,
             s: Arc::new(s),
-            cancel: Arc::new(AtomicBool::new(false)),
+            cancel: Arc::default(),
             lanes: LaneMap::default(),
             ready: VecDeque::new(),
             lingering: BinaryHeap::new(),
@@ -89,7 +90,7 @@ impl SlotRunner {
     }
 
     /// Set to interrupt this slot's running calls (ownership lost).
-    pub fn cancel_handle(&self) -> Arc<AtomicBool> {
+    pub fn cancel_handle(&self) -> Arc<Interrupt> {
         self.cancel.clone()
     }
 
@@ -126,7 +127,7 @@ impl SlotRunner {
                                     }
                                     Some(Err(e)) => {
                                         tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
-                                        self.cancel.store(true, Ordering::Relaxed);
+                                        self.cancel.cancel();
                                         break 'consume;
                                     }
                                     None => break,
@@ -139,7 +140,7 @@ impl SlotRunner {
                             // them to another consumer. Interrupt the calls in
                             // flight so none of them runs alongside that one.
                             tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "subscription error; interrupting in-flight calls");
-                            self.cancel.store(true, Ordering::Relaxed);
+                            self.cancel.cancel();
                             break;
                         }
                         None => break,

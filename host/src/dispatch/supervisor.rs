@@ -12,10 +12,11 @@ use tokio::sync::watch;
 use super::backoff::{Backoff, stopping};
 use super::runner::SlotRunner;
 use super::{Pipeline, RunnerReport, SlotSettings, panic_text};
+use crate::runtime::Interrupt;
 
 /// The running runner's cancel flag; replaced each time its supervisor
 /// starts a new runner (after a connection fault).
-pub type CancelCell = Arc<parking_lot::Mutex<Arc<std::sync::atomic::AtomicBool>>>;
+pub type CancelCell = Arc<parking_lot::Mutex<Arc<Interrupt>>>;
 
 /// A slot marked failing counts as healthy again after its restarted runner
 /// ran this long without failing.
@@ -70,7 +71,7 @@ pub async fn supervise_slot(
                 // The runner itself panicked (not one of its jobs, which it
                 // catches): interrupt whatever it had handed to a worker, so
                 // nothing of it runs beside the redelivery.
-                interrupt.store(true, Ordering::Relaxed);
+                interrupt.cancel();
                 let text = panic_text(panic.as_ref());
                 p.stats.runner_panics.fetch_add(1, Ordering::Relaxed);
                 p.stats.mark_failing(&settings.topology, settings.slot, &text);

@@ -19,9 +19,9 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use super::interrupt::Interrupt;
 use anyhow::Context as _;
 use wasmtime::StoreContextMut;
 use wasmtime::component::{Linker, Resource};
@@ -193,12 +193,12 @@ fn ignores_cancel() -> bool {
 /// or when `cancel` is set, whichever comes first.
 fn bounded<F: Future>(
     deadline: Option<Instant>,
-    cancel: Option<Arc<AtomicBool>>,
+    cancel: Option<Arc<Interrupt>>,
     long: Option<(std::time::Duration, LongCallHook)>,
     fut: F,
 ) -> Result<F::Output, Interruption> {
     let cancel = cancel.filter(|_| !ignores_cancel());
-    let is_cancelled = |c: &Option<Arc<AtomicBool>>| c.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+    let is_cancelled = |c: &Option<Arc<Interrupt>>| c.as_ref().is_some_and(|c| c.is_cancelled());
     if is_cancelled(&cancel) {
         return Err(Interruption::Cancelled);
     }
@@ -222,7 +222,7 @@ fn bounded<F: Future>(
         let cancelled = async {
             match &cancel {
                 Some(c) => {
-                    while !c.load(Ordering::Relaxed) {
+                    while !c.is_cancelled() {
                         tokio::time::sleep(super::EPOCH_TICK).await;
                     }
                 }

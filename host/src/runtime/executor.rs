@@ -2,7 +2,7 @@
 //! per version, arms the deadline and the cancel flag, and turns traps into faults.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use wasmtime::Trap;
@@ -11,6 +11,7 @@ use super::call::{BatchOutcome, CallOutcome, Fault, FaultKind};
 use super::engine::Runtime;
 use super::host::{Interruption, Outgoing};
 use super::instance::{CacheMap, Cached, Instance, evict_lru};
+use super::interrupt::{Entered, Interrupt};
 use super::options::{CACHED_PER_WORKER, EPOCH_TICK, InstanceMode, cut_text};
 use super::settings::HandlerSettings;
 use super::version::{HandlerVersion, RETIREMENTS};
@@ -88,7 +89,7 @@ impl Executor {
         false
     }
 
-    fn instance(&mut self, version: &Arc<HandlerVersion>, cancel: &Option<Arc<AtomicBool>>) -> Result<Instance, Fault> {
+    fn instance(&mut self, version: &Arc<HandlerVersion>, cancel: &Option<Arc<Interrupt>>) -> Result<Instance, Fault> {
         if version.settings.instance_mode == InstanceMode::Reuse
             && let Some(c) = self.cache.lock().remove(&version.id)
         {
@@ -112,7 +113,7 @@ impl Executor {
             // Every instance is in a running call: wait for one to end, as long as a call
             // of this handler may run. Then the message goes back unharmed: the node's pool
             // is full, which is no fault of the guest's.
-            let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+            let cancelled = cancel.as_ref().is_some_and(|c| c.is_cancelled());
             if cancelled || Instant::now() >= give_up {
                 tracing::warn!(
                     handler = version.name(),
@@ -157,7 +158,7 @@ impl Executor {
         }
     }
 
-    fn arm(&self, inst: &mut Instance, version: &HandlerVersion, msg: &Envelope, cancel: &Option<Arc<AtomicBool>>) {
+    fn arm(&self, inst: &mut Instance, version: &HandlerVersion, msg: &Envelope, cancel: &Option<Arc<Interrupt>>) {
         if self.runtime.options.fuel {
             // Unmetered handlers get all the fuel there is.
             let fuel = version.settings.fuel.unwrap_or(u64::MAX);
@@ -276,9 +277,12 @@ impl Executor {
         &mut self,
         version: &Arc<HandlerVersion>,
         msg: &Envelope,
-        cancel: &Option<Arc<AtomicBool>>,
+        cancel: &Option<Arc<Interrupt>>,
     ) -> CallOutcome {
         self.over_budget = false;
+        let Ok(_entered) = enter(cancel) else {
+            return CallOutcome::Fault(cancelled_before_start());
+        };
         let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
             Err(f) => return CallOutcome::Fault(f),
@@ -331,7 +335,7 @@ impl Executor {
         &mut self,
         version: &Arc<HandlerVersion>,
         batch: &[Envelope],
-        cancel: &Option<Arc<AtomicBool>>,
+        cancel: &Option<Arc<Interrupt>>,
     ) -> BatchOutcome {
         let Some(first) = batch.first() else {
             return BatchOutcome::Done {
@@ -341,6 +345,9 @@ impl Executor {
             };
         };
         self.over_budget = false;
+        let Ok(_entered) = enter(cancel) else {
+            return BatchOutcome::Fault(cancelled_before_start());
+        };
         let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
             Err(f) => return BatchOutcome::Fault(f),
@@ -431,4 +438,22 @@ fn split_outbox(
         }
     }
     (published, unattributed)
+}
+
+/// Count a call into its runner's interrupt before any guest code runs
+/// (instantiation included): `Err` once the interrupt was cancelled, and the
+/// call must not start. A call without an interrupt always enters.
+fn enter(cancel: &Option<Arc<Interrupt>>) -> Result<Option<Entered<'_>>, ()> {
+    match cancel {
+        None => Ok(None),
+        Some(i) => i.enter().map(Some).ok_or(()),
+    }
+}
+
+/// A call refused because its runner was fenced or stopped before it began.
+fn cancelled_before_start() -> Fault {
+    Fault {
+        kind: FaultKind::Cancelled,
+        detail: "cancelled by the host before the call started".to_owned(),
+    }
 }

@@ -8,7 +8,7 @@
 //! that succeeded through the broker and drops the others.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use wasmtime::component::ResourceTable;
@@ -55,7 +55,7 @@ pub struct HostState {
     /// When the current call must be interrupted.
     pub(crate) deadline: Option<Instant>,
     /// Set from outside to interrupt the current call (fencing, shutdown).
-    pub(crate) cancel: Option<Arc<AtomicBool>>,
+    pub(crate) cancel: Option<Arc<super::interrupt::Interrupt>>,
     /// Why the last call was interrupted, if it was.
     pub(crate) interrupted: Option<Interruption>,
     /// The guest's stdout/stderr tail, unless it was granted the host's.
@@ -135,7 +135,7 @@ impl HostState {
 
     /// Called on every epoch tick while a guest runs.
     pub(crate) fn should_interrupt(&mut self) -> bool {
-        if self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+        if self.cancel.as_ref().is_some_and(|c| c.is_cancelled()) {
             self.interrupted = Some(Interruption::Cancelled);
             return true;
         }

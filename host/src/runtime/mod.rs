@@ -9,8 +9,8 @@
 //! The files: [`options`] (engine options and call budgets), [`settings`] (a handler's
 //! settings and grants), [`version`] (a compiled handler version), [`engine`] (the
 //! [`Runtime`]: engine, linker, epoch ticker, loading), [`call`] (what a call returns),
-//! [`instance`] (an instance and a worker's cache of them), [`executor`] (calls on a worker
-//! thread), [`pool`] (the worker threads),
+//! [`instance`] (an instance and a worker's cache of them), [`interrupt`] (a runner's calls,
+//! interrupted together), [`executor`] (calls on a worker thread), [`pool`] (the worker threads),
 //! `host` and [`stdio`] (the host imports), [`grants`] (pinned directories),
 //! [`bundled`] (the guests shipped in the binary).
 
@@ -22,6 +22,7 @@ pub mod executor;
 pub mod grants;
 mod host;
 pub mod instance;
+pub mod interrupt;
 pub mod options;
 pub mod pool;
 pub mod settings;
@@ -35,6 +36,7 @@ pub use call::{BatchOutcome, CallOutcome, Fault, FaultKind};
 pub use engine::Runtime;
 pub use executor::Executor;
 pub use host::{HostState, Interruption, Outgoing};
+pub use interrupt::Interrupt;
 pub use options::{
     BudgetCounters, CACHED_PER_WORKER, CallBudgets, DEMOTE_AFTER, EPOCH_TICK, InstanceMode, RuntimeOptions, cut_text,
     pool_size_for,

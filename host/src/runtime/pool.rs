@@ -5,13 +5,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio::sync::oneshot;
 
-use super::{BatchOutcome, CallOutcome, Executor, HandlerVersion, Runtime};
+use super::{BatchOutcome, CallOutcome, Executor, HandlerVersion, Interrupt, Runtime};
 use crate::envelope::Envelope;
 
 /// Work for one worker: calls that must run in order, on one thread.
@@ -23,7 +22,7 @@ pub enum Job {
         /// Outcomes of the job's first items, when a demoted worker handed the rest back.
         done: Vec<(Envelope, CallOutcome)>,
         /// Set to interrupt the running call.
-        cancel: Option<Arc<AtomicBool>>,
+        cancel: Option<Arc<Interrupt>>,
         /// Messages come back with their outcomes, same order.
         reply: oneshot::Sender<Vec<(Envelope, CallOutcome)>>,
     },
@@ -34,7 +33,7 @@ pub enum Job {
         /// Its members.
         batch: Vec<Envelope>,
         /// Set to interrupt the call.
-        cancel: Option<Arc<AtomicBool>>,
+        cancel: Option<Arc<Interrupt>>,
         /// Members come back with the outcome.
         reply: oneshot::Sender<(Vec<Envelope>, BatchOutcome)>,
     },
@@ -46,7 +45,7 @@ pub enum Job {
         /// Outcomes of the job's first calls, when a demoted worker handed the rest back.
         done: Vec<(Vec<Envelope>, BatchOutcome)>,
         /// Set to interrupt the running call.
-        cancel: Option<Arc<AtomicBool>>,
+        cancel: Option<Arc<Interrupt>>,
         /// Each batch's members with its outcome, same order.
         reply: oneshot::Sender<Vec<(Vec<Envelope>, BatchOutcome)>>,
     },
@@ -364,7 +363,7 @@ impl WorkerPool {
     pub async fn run_each(
         &self,
         items: Vec<(Arc<HandlerVersion>, Envelope)>,
-        cancel: Option<Arc<AtomicBool>>,
+        cancel: Option<Arc<Interrupt>>,
     ) -> anyhow::Result<Vec<(Envelope, CallOutcome)>> {
         let (reply, rx) = oneshot::channel();
         self.submit(Job::Each {
@@ -381,7 +380,7 @@ impl WorkerPool {
         &self,
         handler: Arc<HandlerVersion>,
         batch: Vec<Envelope>,
-        cancel: Option<Arc<AtomicBool>>,
+        cancel: Option<Arc<Interrupt>>,
     ) -> anyhow::Result<(Vec<Envelope>, BatchOutcome)> {
         let (reply, rx) = oneshot::channel();
         self.submit(Job::Batch {
@@ -399,7 +398,7 @@ impl WorkerPool {
     pub async fn run_batches(
         &self,
         calls: Vec<(Arc<HandlerVersion>, Vec<Envelope>)>,
-        cancel: Option<Arc<AtomicBool>>,
+        cancel: Option<Arc<Interrupt>>,
     ) -> anyhow::Result<Vec<(Vec<Envelope>, BatchOutcome)>> {
         let (reply, rx) = oneshot::channel();
         self.submit(Job::Batches {

@@ -1,4 +1,5 @@
-//! This node's registration and lease: register, renew, mark leaving, leave.
+//! This node's registration: register, mark leaving, leave (the lease is
+//! renewed by [`super::renewals`]).
 
 use anyhow::Context as _;
 use uuid::Uuid;
@@ -20,20 +21,6 @@ impl Member {
         .context("registering this node in weir_nodes")?;
         notify(&self.pool).await?;
         Ok(id)
-    }
-
-    /// Extend the lease; false when it had expired already (or the row is gone).
-    pub(super) async fn renew(&self, id: Uuid) -> anyhow::Result<bool> {
-        let r = sqlx::query(
-            "UPDATE weir_nodes SET lease_until = now() + make_interval(secs => $2), renewed_at = now() \
-             WHERE node_id = $1 AND lease_until > now()",
-        )
-        .bind(id)
-        .bind(secs(self.lease))
-        .execute(&self.pool)
-        .await
-        .context("renewing this node's lease")?;
-        Ok(r.rows_affected() == 1)
     }
 
     /// Mark this node `leaving`: the leader assigns it nothing more and

@@ -7,10 +7,13 @@
 //!    lease has not expired: an expired node registers again as a new node
 //!    and starts from no slots). The renewal is timed on the node's
 //!    monotonic clock from *before* the request was sent, so the node's own
-//!    deadline is never later than the database's.
+//!    deadline is never later than the database's. Renewals go out from a
+//!    task of their own every tick, several at once when the database is
+//!    slow ([`renewals`]): they never wait behind the other steps.
 //! 2. **Fence** when the last successful renewal is older than
-//!    `lease − fence margin`: interrupt the in-flight calls of every slot,
-//!    drain, stop consuming. This happens before the lease can expire, so
+//!    `lease − fence margin`: interrupt the in-flight calls of every slot
+//!    and stop them; the fence is done once no call runs and none can
+//!    start (the drain's broker traffic goes on after it). This happens before the lease can expire, so
 //!    before the leader may hand the slots to anyone else. The fencing
 //!    deadline is a timer of its own: every database step is cut short when
 //!    it comes ([`step`]), so a stalled database cannot delay the fence.
@@ -52,6 +55,7 @@ pub mod leader;
 pub mod lease;
 pub mod listen;
 pub mod margin;
+mod renewals;
 pub mod run;
 pub mod status;
 

@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 
 use super::handoff::{fence, fence_all};
 use super::listen::Wakeups;
+use super::renewals::Renewals;
 use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, TICK, Tick, bounded, step};
 use crate::cluster::coordinator::{Coordinator, Start};
 use crate::cluster::status::Status;
@@ -71,8 +72,9 @@ impl Coordinator for Postgres {
                 Ok(rt) => rt.block_on(async move {
                     // Connections made on this thread's runtime: their I/O
                     // is driven here, not by the node's busy runtime.
+                    // The renewals' own, the loop's steps and a spare.
                     let pool = PgPoolOptions::new()
-                        .max_connections(3)
+                        .max_connections(u32::try_from(super::renewals::IN_FLIGHT).unwrap_or(2) + 3)
                         .acquire_timeout(Duration::from_secs(2))
                         .connect_lazy_with(options);
                     let member =
@@ -118,9 +120,10 @@ struct Leaving {
 /// and the node fences itself whenever it cannot renew in time, leaving or
 /// not.
 pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+    let registered = Instant::now();
     let mut st = Tick {
         node_id: c.register().await?,
-        renewed: Some(Instant::now()),
+        renewed: Some(registered),
         fenced: false,
         leader: false,
         releasing: HashMap::new(),
@@ -134,10 +137,15 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
             "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
         );
     }
+    let renewals = Renewals::start(c.pool.clone(), c.lease, st.node_id, registered);
     let mut margin = c.margin();
     let mut listener = Wakeups::default();
     let mut leaving: Option<Leaving> = None;
     loop {
+        let renewed = renewals.now();
+        if let Some(sent) = renewed.sent.filter(|_| !renewed.expired) {
+            st.renewed = Some(sent);
+        }
         let fence_after = if late_control {
             c.lease + TICK * 3
         } else {
@@ -205,39 +213,41 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
                 }
             }
         }
-        let sent = Instant::now();
-        match step(&c, fence_at, c.renew(st.node_id)).await {
-            Ok(true) => {
-                if st.fenced {
-                    tracing::info!(node = %c.name, "database reachable again; lease renewed");
-                }
-                st.renewed = Some(sent);
-                st.fenced = false;
-                if leaving.is_none() {
-                    c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
+        let renewed = renewals.now();
+        if renewed.expired {
+            // Expired: whatever we held may be someone else's now.
+            tracing::warn!(node = %c.name, id = %st.node_id, "this node's lease had expired; stopping every slot and registering again as a new node");
+            fence_all(&c, &mut st).await;
+            if leaving.is_some() {
+                break;
             }
-            Ok(false) => {
-                // Expired: whatever we held may be someone else's now.
-                tracing::warn!(node = %c.name, id = %st.node_id, "this node's lease had expired; stopping every slot and registering again as a new node");
-                fence_all(&c, &mut st).await;
-                if leaving.is_some() {
-                    break;
+            let sent = Instant::now();
+            match step(&c, None, c.register()).await {
+                Ok(id) => {
+                    st.node_id = id;
+                    st.renewed = Some(sent);
+                    st.fenced = false;
+                    renewals.registered(id, sent);
+                    tracing::info!(node = %c.name, id = %id, "registered again");
                 }
-                match step(&c, None, c.register()).await {
-                    Ok(id) => {
-                        st.node_id = id;
-                        st.renewed = Some(sent);
-                        st.fenced = false;
-                        tracing::info!(node = %c.name, id = %id, "registered again");
-                    }
-                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "registering again failed; retrying"),
-                }
-                continue;
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "registering again failed; retrying"),
             }
-            Err(e) => tracing::warn!(node = %c.name, error = %format!("{e:#}"), "lease renewal failed"),
+            continue;
         }
-        if st.renewed.is_none_or(|r| r.elapsed() >= fence_after) {
+        if let Some(sent) = renewed.sent {
+            st.renewed = Some(sent);
+        }
+        let fresh = st.renewed.is_some_and(|r| r.elapsed() < fence_after);
+        if fresh {
+            if st.fenced {
+                tracing::info!(node = %c.name, "database reachable again; lease renewed");
+                st.fenced = false;
+            }
+            if leaving.is_none() {
+                c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        if !fresh {
             fence(&c, &mut st, fence_after).await;
             continue;
         }
@@ -276,7 +286,9 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
     for (_, h) in st.releasing.drain() {
         h.abort();
     }
-    c.slots.fence_all().await;
+    c.slots.interrupt_and_drain_all().await;
+    // Renewed until here: the lease must outlive the drain.
+    drop(renewals);
     match bounded(c.db_timeout() * 2, c.leave(st.node_id)).await {
         Ok(()) => tracing::info!(node = %c.name, "left the cluster: slots freed for the others"),
         Err(e) => {

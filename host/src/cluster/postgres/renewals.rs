@@ -1,0 +1,153 @@
+//! The lease renewals, on a task of their own beside the loop.
+//!
+//! A renewal must never wait behind the loop's other steps (a leader pass,
+//! a reconcile, each allowed its database timeout), nor be thrown away
+//! because one answer was slow: on a starved machine a round trip can take
+//! longer than a step may, and a node that gives up on each one fences with
+//! its database merely slow. So a renewal is sent every [`TICK`], whatever
+//! the loop does, with up to [`IN_FLIGHT`] of them waiting at once on
+//! connections of their own, and each is kept when it comes back, however
+//! late. The loop reads the newest one sent that succeeded: it is timed
+//! from before it was sent, so the node's deadline is never later than the
+//! database's (`lease_until = now() + lease` at the commit).
+
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt as _};
+use sqlx::postgres::PgPool;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+use super::{TICK, secs};
+
+/// Renewals waiting for an answer at most, each on its own connection.
+pub(super) const IN_FLIGHT: usize = 2;
+
+/// What the renewals found, for the loop.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Renewed {
+    /// When the newest successful renewal of the current registration was sent.
+    pub(super) sent: Option<Instant>,
+    /// The current registration's lease had expired (or its row is gone).
+    pub(super) expired: bool,
+}
+
+/// The renewal task; stopped when dropped.
+pub(super) struct Renewals {
+    state: watch::Receiver<Renewed>,
+    registration: watch::Sender<(Uuid, Instant)>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Renewals {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Renewals {
+    /// Renew `id`'s lease from now on; `registered` is when its
+    /// registration was sent (its lease counts from then).
+    pub(super) fn start(pool: PgPool, lease: Duration, id: Uuid, registered: Instant) -> Self {
+        let (tx, state) = watch::channel(Renewed {
+            sent: Some(registered),
+            expired: false,
+        });
+        let (registration, current) = watch::channel((id, registered));
+        let task = tokio::spawn(run(pool, lease, current, tx));
+        Self {
+            state,
+            registration,
+            task,
+        }
+    }
+
+    /// The newest state.
+    pub(super) fn now(&self) -> Renewed {
+        *self.state.borrow()
+    }
+
+    /// This node registered again as `id` (sent at `registered`): renew that one.
+    pub(super) fn registered(&self, id: Uuid, registered: Instant) {
+        let _ = self.registration.send((id, registered));
+    }
+}
+
+async fn run(pool: PgPool, lease: Duration, mut current: watch::Receiver<(Uuid, Instant)>, tx: watch::Sender<Renewed>) {
+    let mut ticks = tokio::time::interval(TICK);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut waiting = FuturesUnordered::new();
+    let mut failures = 0u32;
+    let mut last_warned: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                let (id, _) = *current.borrow();
+                if waiting.len() < IN_FLIGHT && !tx.borrow().expired {
+                    let pool = pool.clone();
+                    waiting.push(async move {
+                        let sent = Instant::now();
+                        // Kept however late it comes, but not for ever: a
+                        // renewal older than the lease is worth nothing.
+                        let r = match tokio::time::timeout(lease, renew(&pool, id, lease)).await {
+                            Ok(r) => r,
+                            Err(_) => Err(anyhow::anyhow!("no answer within the lease ({lease:?})")),
+                        };
+                        (id, sent, r)
+                    });
+                }
+            }
+            Some((id, sent, r)) = waiting.next(), if !waiting.is_empty() => {
+                if id != current.borrow().0 {
+                    continue; // an earlier registration's
+                }
+                match r {
+                    Ok(true) => {
+                        failures = 0;
+                        tx.send_if_modified(|s| {
+                            let newer = s.sent.is_none_or(|at| sent > at);
+                            if newer {
+                                s.sent = Some(sent);
+                            }
+                            newer
+                        });
+                    }
+                    Ok(false) => {
+                        tx.send_modify(|s| s.expired = true);
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        // Every failure counts; the log says so once a lease at most.
+                        if last_warned.is_none_or(|w| w.elapsed() >= lease) {
+                            last_warned = Some(Instant::now());
+                            tracing::warn!(error = %format!("{e:#}"), failures, "lease renewal failed");
+                        }
+                    }
+                }
+            }
+            changed = current.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let (_, registered) = *current.borrow_and_update();
+                tx.send_replace(Renewed { sent: Some(registered), expired: false });
+            }
+        }
+    }
+}
+
+/// Extend the lease; false when it had expired already (or the row is gone).
+pub(super) async fn renew(pool: &PgPool, id: Uuid, lease: Duration) -> anyhow::Result<bool> {
+    use anyhow::Context as _;
+    let r = sqlx::query(
+        "UPDATE weir_nodes SET lease_until = now() + make_interval(secs => $2), renewed_at = now() \
+         WHERE node_id = $1 AND lease_until > now()",
+    )
+    .bind(id)
+    .bind(secs(lease))
+    .execute(pool)
+    .await
+    .context("renewing this node's lease")?;
+    Ok(r.rows_affected() == 1)
+}

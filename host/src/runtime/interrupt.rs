@@ -1,0 +1,184 @@
+//! [`Interrupt`]: one slot runner's calls, interrupted together, and the
+//! moment none of them runs any more.
+//!
+//! A fence must end before the lease can expire, and what it must end is the
+//! guest code, not the broker traffic after it (acks, releases, closing the
+//! consumer), which may be slow on a starved machine and harms nobody. So a
+//! fence cancels the runner's interrupt and waits for [`Interrupt::calls_ended`]:
+//! every call that entered guest code has left it, and none can enter any
+//! more ([`Interrupt::enter`] refuses once cancelled). The runner drains the
+//! rest in the background.
+//!
+//! The two counters are ordered like Dekker's flags: a call counts itself in
+//! and then reads the flag, a fence sets the flag and then reads the count
+//! (both sequentially consistent), so either the call sees the cancel and
+//! does not run, or the fence sees the call and waits for it.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use tokio::sync::Notify;
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub struct Interrupt {
+    cancelled: AtomicBool,
+    /// Calls inside guest code (instantiation included).
+    running: AtomicUsize,
+    /// Told when `running` drops to zero.
+    quiet: Notify,
+}
+
+/// One call inside guest code; leaves on drop.
+#[must_use = "the call counts as running until this is dropped"]
+#[derive(Debug)]
+pub struct Entered<'a>(&'a Interrupt);
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.quiet.notify_waiters();
+        }
+    }
+}
+
+impl Interrupt {
+    /// Interrupt the running calls (at their next epoch tick or blocking
+    /// wait) and refuse new ones.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.quiet.notify_waiters();
+    }
+
+    /// Whether [`Interrupt::cancel`] was called: read on every epoch tick.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// A call is about to run guest code: `None` once cancelled (it must
+    /// not start), else a guard that counts it as running until dropped.
+    pub fn enter(&self) -> Option<Entered<'_>> {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        let entered = Entered(self);
+        if self.cancelled.load(Ordering::SeqCst) {
+            drop(entered);
+            return None;
+        }
+        Some(entered)
+    }
+
+    /// Calls inside guest code now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once cancelled and no call is inside guest code; from then
+    /// on none can enter. Waits for [`Interrupt::cancel`] first.
+    pub async fn calls_ended(&self) {
+        loop {
+            let quiet = self.quiet.notified();
+            tokio::pin!(quiet);
+            // Registered before the check: a call leaving in between wakes it.
+            quiet.as_mut().enable();
+            if self.cancelled.load(Ordering::SeqCst) && self.running.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            quiet.await;
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_cancelled_interrupt_lets_no_call_enter() {
+        let i = Interrupt::default();
+        let e = i.enter().expect("enters before the cancel");
+        i.cancel();
+        assert!(i.enter().is_none(), "refused after the cancel");
+        assert_eq!(i.running(), 1, "the refused call did not count");
+        drop(e);
+        assert_eq!(i.running(), 0);
+    }
+
+    /// `calls_ended` waits for the call inside guest code, and returns as
+    /// soon as it leaves; a call that arrives after the cancel never runs.
+    #[tokio::test]
+    async fn calls_ended_waits_for_the_running_call_only() {
+        let i = Arc::new(Interrupt::default());
+        let (entered, leave) = (
+            Arc::new(std::sync::Barrier::new(2)),
+            Arc::new(std::sync::Barrier::new(2)),
+        );
+        let worker = std::thread::spawn({
+            let (i, entered, leave) = (i.clone(), entered.clone(), leave.clone());
+            move || {
+                let e = i.enter().unwrap();
+                entered.wait();
+                leave.wait();
+                drop(e);
+            }
+        });
+        entered.wait();
+        i.cancel();
+        let ended = tokio::spawn({
+            let i = i.clone();
+            async move { i.calls_ended().await }
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), async {
+                while !ended.is_finished() {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .is_err(),
+            "a call still runs: calls_ended must wait"
+        );
+        leave.wait();
+        worker.join().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), ended)
+            .await
+            .expect("calls_ended returned once the call left")
+            .unwrap();
+        assert!(i.enter().is_none());
+    }
+
+    /// Many threads entering while the fence cancels: every call that got
+    /// in had entered before `calls_ended` returned, none after.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_call_enters_after_calls_ended() {
+        for _ in 0..50 {
+            let i = Arc::new(Interrupt::default());
+            let after = Arc::new(AtomicBool::new(false));
+            let late = Arc::new(AtomicUsize::new(0));
+            let threads: Vec<_> = (0..4)
+                .map(|_| {
+                    let (i, after, late) = (i.clone(), after.clone(), late.clone());
+                    std::thread::spawn(move || {
+                        for _ in 0..2_000 {
+                            if let Some(e) = i.enter() {
+                                if after.load(Ordering::SeqCst) {
+                                    late.fetch_add(1, Ordering::SeqCst);
+                                }
+                                drop(e);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            i.cancel();
+            i.calls_ended().await;
+            after.store(true, Ordering::SeqCst);
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(late.load(Ordering::SeqCst), 0, "a call entered after calls_ended");
+        }
+    }
+}
