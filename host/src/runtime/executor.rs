@@ -297,6 +297,7 @@ impl Executor {
         let started = Instant::now();
         let r = inst.bindings.call_handle(&mut inst.store, msg);
         metrics.exit(started.elapsed());
+        lower_again(&mut inst);
         if let Some(o) = &self.runtime.observer {
             o.after(msg);
         }
@@ -365,6 +366,7 @@ impl Executor {
         let started = Instant::now();
         let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
         metrics.exit(started.elapsed());
+        lower_again(&mut inst);
         if let Some(o) = &self.runtime.observer {
             o.after_batch(batch);
         }
@@ -455,5 +457,17 @@ fn cancelled_before_start() -> Fault {
     Fault {
         kind: FaultKind::Cancelled,
         detail: "cancelled by the host before the call started".to_owned(),
+    }
+}
+
+/// The call ended: a thread that ran it below normal priority, and that a
+/// fence lifted meanwhile, lowers itself again.
+fn lower_again(inst: &mut Instance) {
+    let data = inst.store.data_mut();
+    if let Some(tid) = data.lowered_tid.take() {
+        let still_lowered = data.cancel.as_ref().is_some_and(|c| c.forget(tid));
+        if !still_lowered {
+            crate::sched::lower_again();
+        }
     }
 }

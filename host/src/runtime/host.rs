@@ -68,6 +68,9 @@ pub struct HostState {
     pub(crate) cpu_mark: Option<std::time::Duration>,
     /// What a worker does about a long call (demote itself, send a replacement).
     pub(crate) on_long_call: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// The thread this call runs on, registered with `cancel` because it
+    /// runs below normal priority (a cancel lifts it).
+    pub(crate) lowered_tid: Option<i32>,
     /// The call's budgets: the node's, or its tenant's.
     pub(crate) budgets: CallBudgets,
     /// Log lines and bytes of the current call (shared with granted stdio).
@@ -117,6 +120,7 @@ impl HostState {
             long_call: None,
             cpu_mark: None,
             on_long_call: None,
+            lowered_tid: None,
             budgets,
             log,
             cascade_bytes: 0,
@@ -158,6 +162,16 @@ impl HostState {
                 }
                 Some(_) => {}
             }
+        }
+        // A call running below normal priority: a fence must be able to
+        // lift it, or it may not get the CPU to notice the interrupt.
+        if self.lowered_tid.is_none()
+            && crate::sched::lowered()
+            && let Some(cancel) = &self.cancel
+        {
+            let tid = crate::sched::current_tid();
+            self.lowered_tid = Some(tid);
+            cancel.lowered(tid);
         }
         false
     }

@@ -9,6 +9,12 @@
 //! more ([`Interrupt::enter`] refuses once cancelled). The runner drains the
 //! rest in the background.
 //!
+//! A call whose worker thread runs below normal priority (a demoted long
+//! call, a failing tenant's background worker) registers that thread here,
+//! and the cancel lifts it back to normal priority: next to busy cores a
+//! thread in the idle class may not run for seconds, and the fence waits for
+//! it to notice the interrupt.
+//!
 //! The two counters are ordered like Dekker's flags: a call counts itself in
 //! and then reads the flag, a fence sets the flag and then reads the count
 //! (both sequentially consistent), so either the call sees the cancel and
@@ -26,6 +32,8 @@ pub struct Interrupt {
     running: AtomicUsize,
     /// Told when `running` drops to zero.
     quiet: Notify,
+    /// Threads running these calls below normal priority (see the module docs).
+    lowered: parking_lot::Mutex<Vec<i32>>,
 }
 
 /// One call inside guest code; leaves on drop.
@@ -46,7 +54,36 @@ impl Interrupt {
     /// wait) and refuse new ones.
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::SeqCst);
+        for tid in self.lowered.lock().drain(..) {
+            lift(tid);
+        }
         self.quiet.notify_waiters();
+    }
+
+    /// Thread `tid` runs one of these calls below normal priority: a
+    /// cancel lifts it (at once when cancelled already).
+    pub fn lowered(&self, tid: i32) {
+        let mut lowered = self.lowered.lock();
+        // Under the lock: a cancel either finds it in the list or was seen here.
+        if self.cancelled.load(Ordering::SeqCst) {
+            drop(lowered);
+            lift(tid);
+            return;
+        }
+        lowered.push(tid);
+    }
+
+    /// The call on thread `tid` ended: false when a cancel lifted the thread
+    /// (it should lower itself again).
+    pub fn forget(&self, tid: i32) -> bool {
+        let mut lowered = self.lowered.lock();
+        match lowered.iter().position(|t| *t == tid) {
+            Some(i) => {
+                lowered.swap_remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Whether [`Interrupt::cancel`] was called: read on every epoch tick.
@@ -84,6 +121,13 @@ impl Interrupt {
             }
             quiet.await;
         }
+    }
+}
+
+/// Back to normal priority, so the interrupted call can end.
+fn lift(tid: i32) {
+    if let Err(e) = crate::sched::restore_thread(tid) {
+        tracing::warn!(tid, error = %e, "could not lift an interrupted call's thread to normal priority");
     }
 }
 
@@ -147,6 +191,45 @@ mod tests {
             .expect("calls_ended returned once the call left")
             .unwrap();
         assert!(i.enter().is_none());
+    }
+
+    /// A fence lifts a call's thread out of the idle class (where, next to
+    /// busy cores, it might not run for seconds to see the interrupt); the
+    /// thread lowers itself again once its call ended.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_cancel_lifts_a_lowered_call_to_normal_priority() {
+        // SAFETY: a plain syscall reading a thread's policy.
+        let policy = |tid: i32| unsafe { libc::sched_getscheduler(tid) };
+        let i = Arc::new(Interrupt::default());
+        let (registered, cancelled) = (
+            Arc::new(std::sync::Barrier::new(2)),
+            Arc::new(std::sync::Barrier::new(2)),
+        );
+        let call = std::thread::spawn({
+            let (i, registered, cancelled) = (i.clone(), registered.clone(), cancelled.clone());
+            move || {
+                crate::sched::idle_current_thread().unwrap();
+                let tid = crate::sched::current_tid();
+                assert_eq!(policy(tid), libc::SCHED_IDLE);
+                i.lowered(tid);
+                registered.wait();
+                cancelled.wait();
+                let during = policy(tid);
+                let still_lowered = i.forget(tid);
+                if !still_lowered {
+                    crate::sched::lower_again();
+                }
+                (during, still_lowered, policy(tid))
+            }
+        });
+        registered.wait();
+        i.cancel();
+        cancelled.wait();
+        let (during, still_lowered, after) = call.join().unwrap();
+        assert_eq!(during, libc::SCHED_OTHER, "the cancel lifted the call's thread");
+        assert!(!still_lowered, "the thread learns that it was lifted");
+        assert_eq!(after, libc::SCHED_IDLE, "and lowers itself again after its call");
     }
 
     /// Many threads entering while the fence cancels: every call that got
