@@ -812,24 +812,14 @@ fn frozen_database(late: bool) -> (bool, Duration) {
     });
 
     pg.freeze();
-    // The lease node-0 holds: no renewal passes the frozen proxy any more
-    // (one sent just before the freeze may still land: read it after
-    // a renewal's timeout, then once more below).
-    let expiry = || -> (Instant, f64) {
-        let at = Instant::now();
-        let left: f64 = db.query("SELECT extract(epoch FROM lease_until - now())::float8::text FROM weir_nodes")[0][0]
-            .as_ref()
-            .unwrap()
-            .parse()
-            .unwrap();
-        (at, left)
-    };
-    let (at, left) = expiry();
-    let mut expires = at + Duration::from_secs_f64(left.max(0.0));
     let start = Instant::now();
-    let fenced_at = loop {
-        if cluster.nodes[0].log().contains("fenced: consuming nothing") {
-            break Instant::now();
+    let line = loop {
+        if let Some(l) = cluster.nodes[0]
+            .log()
+            .lines()
+            .find(|l| l.contains("fenced: consuming nothing"))
+        {
+            break l.to_owned();
         }
         assert!(
             start.elapsed() < LEASE * 4,
@@ -838,23 +828,30 @@ fn frozen_database(late: bool) -> (bool, Duration) {
         );
         std::thread::sleep(Duration::from_millis(5));
     };
-    // A renewal in flight at the freeze cannot commit: the proxy holds it.
-    let (at, left) = expiry();
-    if left > 0.0 {
-        expires = expires.max(at + Duration::from_secs_f64(left));
-    }
     assert_eq!(in_flight(admin), 0, "fencing ended every call");
+    // Both ends on this machine's clock, neither through this test's own
+    // (possibly starved) timing: the node stamps the fence line when the
+    // fence ended, and the database holds the lease's end, which the frozen
+    // proxy keeps from moving (a renewal already inside the database when
+    // the proxy froze has committed long before now).
+    let stamp = log_stamp(&line);
+    let late_by: f64 = db.query(&format!(
+        "SELECT extract(epoch FROM '{stamp}'::timestamptz - lease_until)::float8::text FROM weir_nodes WHERE name = 'node-0'"
+    ))[0][0]
+        .as_ref()
+        .unwrap()
+        .parse()
+        .unwrap();
     pg.forward();
-    let after = fenced_at >= expires;
-    let by = if after {
-        fenced_at - expires
-    } else {
-        expires - fenced_at
-    };
+    let after = late_by >= 0.0;
+    let by = Duration::from_secs_f64(late_by.abs());
     eprintln!(
         "fence finished {by:?} {} the lease expired (late control: {late})",
         if after { "after" } else { "before" }
     );
+    if after != late || std::env::var_os("WEIR_TEST_SHOW_LOG").is_some() {
+        eprintln!("node-0's log:\n{}", cluster.nodes[0].log());
+    }
     for n in &mut cluster.nodes {
         n.terminate(Duration::from_secs(30));
     }
@@ -961,4 +958,28 @@ fn sigint_drain_reruns_nothing_on_rabbitmq() {
 #[test]
 fn sigint_drain_reruns_nothing_on_nats() {
     sigint_drain_reruns_nothing(&Broker::nats());
+}
+
+/// The timestamp that opens a log line (RFC 3339, UTC), without colour codes.
+fn log_stamp(line: &str) -> String {
+    let mut plain = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An escape sequence: up to its final letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+            continue;
+        }
+        plain.push(c);
+    }
+    let stamp = plain.split_whitespace().next().unwrap_or_default().to_owned();
+    assert!(
+        !stamp.is_empty() && stamp.chars().all(|c| c.is_ascii_digit() || "-T:.Z".contains(c)),
+        "no timestamp at the start of the log line {line:?}"
+    );
+    stamp
 }
