@@ -228,7 +228,13 @@ fn captured_log(f: impl FnOnce()) -> String {
         .with_max_level(tracing::Level::INFO)
         .with_ansi(false)
         .finish();
-    tracing::subscriber::with_default(subscriber, f);
+    tracing::subscriber::with_default(subscriber, || {
+        // Another test's thread may have cached a callsite's interest (or
+        // the global level hint) while no subscriber was live: this one
+        // must see every event, so the caches are rebuilt with it in place.
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     let bytes = buffer.0.lock().unwrap().clone();
     String::from_utf8_lossy(&bytes).into_owned()
 }
