@@ -129,7 +129,7 @@ fn negative_control_no_drain_reports_overlaps() {
             "--long-share",
             "0.5",
             "--long-ms",
-            "1000..3000",
+            "3000..6000",
             "--sleep-calls",
             "--max-deliver=-1",
         ],
