@@ -162,6 +162,11 @@ impl SlotSet {
         self.running.lock().contains_key(key)
     }
 
+    /// True once `key` was told to stop (it drains, or was fenced).
+    pub fn is_stopping(&self, key: &SlotKey) -> bool {
+        self.running.lock().get(key).is_some_and(|r| *r.stop.borrow())
+    }
+
     /// The slots that run (or drain), in order.
     pub fn running(&self) -> Vec<SlotKey> {
         self.running.lock().keys().cloned().collect()

@@ -43,7 +43,9 @@ pub struct Entered<'a>(&'a Interrupt);
 
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
-        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+        // Only a fence waits, and only after its cancel: an ordinary call
+        // leaves with two atomics and no lock.
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.cancelled.load(Ordering::SeqCst) {
             self.0.quiet.notify_waiters();
         }
     }

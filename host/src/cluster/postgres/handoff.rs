@@ -71,7 +71,8 @@ impl Member {
         // Slots this node runs that the database no longer gives it: it was
         // expired and removed. Fence them (should not happen: it fences first).
         for key in self.slots.running() {
-            if !mine.contains_key(&key) && !st.releasing.contains_key(&key) {
+            // A fenced slot drains on after its fence: fenced once, not every pass.
+            if !mine.contains_key(&key) && !st.releasing.contains_key(&key) && !self.slots.is_stopping(&key) {
                 tracing::error!(topology = %key.0, slot = key.1, "slot no longer ours in the database; interrupting and stopping it");
                 self.slots.fence(&key).await;
                 st.epochs.remove(&key);
