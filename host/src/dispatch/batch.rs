@@ -20,8 +20,10 @@ pub enum Take {
 }
 
 /// Take the batch at the head of `lane`: the head and the members after it
-/// of the same rule, tenant and group, up to the rule's size.
-pub fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant) -> Take {
+/// of the same rule, tenant and group, up to the rule's size. `window_full`:
+/// the slot can receive nothing more until something settles, so a partial
+/// batch runs now instead of lingering (it could not grow).
+pub fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant, window_full: bool) -> Take {
     let Some(head) = lane.queue.front() else {
         return Take::Wait(now);
     };
@@ -50,6 +52,8 @@ pub fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant) -> Take 
         FlushReason::Boundary
     } else if now >= oldest + rule.linger {
         FlushReason::Linger
+    } else if window_full {
+        FlushReason::Window
     } else {
         return Take::Wait(oldest + rule.linger);
     };
@@ -121,7 +125,7 @@ mod tests {
     fn a_full_batch_goes_at_size_and_leaves_the_rest() {
         let (r, now) = (rule(2), Instant::now());
         let mut l = lane((0..3).map(|_| queued(Some(&r), "g", "a", now)).collect());
-        assert_eq!(taken(take_batch(&mut l, &r, now)), (2, Some(FlushReason::Size)));
+        assert_eq!(taken(take_batch(&mut l, &r, now, false)), (2, Some(FlushReason::Size)));
         assert_eq!(l.queue.len(), 1);
     }
 
@@ -135,7 +139,10 @@ mod tests {
             queued(None, "g", "a", now),         // a single message
         ] {
             let mut l = lane(vec![queued(Some(&r), "g", "a", now), next]);
-            assert_eq!(taken(take_batch(&mut l, &r, now)), (1, Some(FlushReason::Boundary)));
+            assert_eq!(
+                taken(take_batch(&mut l, &r, now, false)),
+                (1, Some(FlushReason::Boundary))
+            );
             assert_eq!(l.queue.len(), 1);
         }
     }
@@ -147,13 +154,23 @@ mod tests {
             queued(Some(&r), "g", "a", start),
             queued(Some(&r), "g", "a", start + Duration::from_millis(15)),
         ]);
-        match take_batch(&mut l, &r, start + Duration::from_millis(19)) {
+        match take_batch(&mut l, &r, start + Duration::from_millis(19), false) {
             Take::Wait(until) => assert_eq!(until, start + r.linger),
             Take::Batch(..) => panic!("ran before the linger"),
         }
         assert_eq!(
-            taken(take_batch(&mut l, &r, start + r.linger)),
+            taken(take_batch(&mut l, &r, start + r.linger, false)),
             (2, Some(FlushReason::Linger))
         );
+    }
+
+    #[test]
+    fn a_partial_batch_runs_at_once_when_the_window_is_full() {
+        let (r, now) = (rule(10), Instant::now());
+        let mut l = lane(vec![queued(Some(&r), "g", "a", now), queued(Some(&r), "g", "a", now)]);
+        assert_eq!(taken(take_batch(&mut l, &r, now, true)), (2, Some(FlushReason::Window)));
+        // A full batch is still a full batch.
+        let mut l = lane((0..10).map(|_| queued(Some(&r), "g", "a", now)).collect());
+        assert_eq!(taken(take_batch(&mut l, &r, now, true)), (10, Some(FlushReason::Size)));
     }
 }

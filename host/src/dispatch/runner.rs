@@ -63,7 +63,10 @@ pub struct SlotRunner {
     running_groups: usize,
     unordered: VecDeque<Delivery>,
     running_unordered: usize,
-    inflight: FuturesUnordered<BoxFuture<'static, Done>>,
+    /// Each job in flight, with how many deliveries it holds.
+    inflight: FuturesUnordered<BoxFuture<'static, (Done, usize)>>,
+    /// Deliveries held by the jobs in flight (until they are settled).
+    in_jobs: usize,
     report: RunnerReport,
     /// Set by the first job that panicked: the runner drains and stops.
     poisoned: Option<String>,
@@ -84,6 +87,7 @@ impl SlotRunner {
             unordered: VecDeque::new(),
             running_unordered: 0,
             inflight: FuturesUnordered::new(),
+            in_jobs: 0,
             report: RunnerReport::default(),
             poisoned: None,
         }
@@ -111,7 +115,7 @@ impl SlotRunner {
                 tokio::select! {
                     biased;
                     Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
-                    () = tokio::time::sleep_until(wake.into()), if linger.is_some() => self.wake_lingering(Instant::now()),
+                    () = tokio::time::sleep_until(wake.into()), if linger.is_some() => self.wake_lingering(Some(Instant::now())),
                     changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
                     next = sub.next() => match next {
                         Some(Ok(d)) => {
@@ -148,6 +152,10 @@ impl SlotRunner {
                 }
                 if self.poisoned.is_some() {
                     break;
+                }
+                if !self.lingering.is_empty() && self.window_full() {
+                    // No batch can grow until something settles: run them.
+                    self.wake_lingering(None);
                 }
                 self.schedule();
                 s.counters
@@ -192,7 +200,7 @@ impl SlotRunner {
         while collecting || !self.inflight.is_empty() {
             tokio::select! {
                 Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
-                    self.report.drained.push(done.kind());
+                    self.report.drained.push(done.0.kind());
                     self.finish(done);
                 }
                 next = sub.next(), if collecting => match next {
@@ -235,7 +243,11 @@ impl SlotRunner {
         let key = match &d.message {
             Err(_) => {
                 let (p, s) = (self.p.clone(), self.s.clone());
-                self.job(Done::Capture, async move { capture_undecodable(&p.slot(&s), d).await });
+                self.job(
+                    Done::Capture,
+                    1,
+                    async move { capture_undecodable(&p.slot(&s), d).await },
+                );
                 return;
             }
             Ok(env) => {
@@ -279,10 +291,19 @@ impl SlotRunner {
         }
     }
 
-    /// Batches whose linger ran out go back to the ready queue.
-    fn wake_lingering(&mut self, now: Instant) {
+    /// Does this slot hold all the deliveries its prefetch allows (queued in
+    /// lanes or in calls)? Then nothing more arrives until something settles,
+    /// and a batch that waits for more members only holds the window.
+    fn window_full(&self) -> bool {
+        let window = self.s.prefetch as usize;
+        window > 0 && self.queued + self.unordered.len() + self.in_jobs >= window
+    }
+
+    /// Batches whose linger ran out by `now` (every lingering one for `None`)
+    /// go back to the ready queue.
+    fn wake_lingering(&mut self, now: Option<Instant>) {
         while let Some(Reverse((at, key))) = self.lingering.peek().copied() {
-            if at > now {
+            if now.is_some_and(|now| at > now) {
                 break;
             }
             self.lingering.pop();
@@ -316,16 +337,24 @@ impl SlotRunner {
     /// is counted and logged at once, the slot is marked failing (`/ready`
     /// answers 503), and the runner stops taking deliveries, drains what
     /// else runs and returns an error, so its supervisor restarts it.
-    fn job(&mut self, done: Done, work: impl std::future::Future<Output = ()> + Send + 'static) {
+    /// `held`: how many deliveries the job holds until it has settled them.
+    fn job(&mut self, done: Done, held: usize, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.in_jobs += held;
         self.inflight.push(Box::pin(async move {
-            match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+            let done = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
                 Ok(()) => done,
                 Err(panic) => Done::Panicked(Box::new(done), panic_text(panic.as_ref())),
-            }
+            };
+            (done, held)
         }));
     }
 
-    fn finish(&mut self, done: Done) {
+    fn finish(&mut self, (done, held): (Done, usize)) {
+        self.in_jobs -= held;
+        self.done(done);
+    }
+
+    fn done(&mut self, done: Done) {
         match done {
             Done::Panicked(done, text) => {
                 let s = &self.s;
@@ -336,7 +365,7 @@ impl SlotRunner {
                     "a job of this slot panicked; its messages are left to the broker, and the runner drains and restarts"
                 );
                 self.poisoned.get_or_insert(text);
-                self.finish(*done);
+                self.done(*done);
             }
             Done::Groups(keys) => {
                 for key in keys {
@@ -365,6 +394,7 @@ impl SlotRunner {
         let workers = self.p.pool.size().max(1);
         let max_run = self.s.max_run.max(1);
         let now = Instant::now();
+        let window_full = self.window_full();
         while self.running_groups < self.s.max_concurrent_groups && !self.ready.is_empty() {
             let target = (self.queued / workers).clamp(1, max_run);
             let mut run: Vec<Delivery> = Vec::with_capacity(target);
@@ -394,7 +424,7 @@ impl SlotRunner {
                 }
                 lane.ready = false;
                 if let Some(rule) = lane.queue.front().and_then(|q| q.batch.clone()) {
-                    match take_batch(lane, &rule, now) {
+                    match take_batch(lane, &rule, now, window_full) {
                         Take::Wait(until) => {
                             lane.lingering = Some(until);
                             self.lingering.push(Reverse((until, key)));
@@ -429,11 +459,12 @@ impl SlotRunner {
             }
             if !batches.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                self.job(Done::Batches(batch_keys), run_batches(p, s, c, batches));
+                self.job(Done::Batches(batch_keys), members, run_batches(p, s, c, batches));
             }
             if !keys.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                self.job(Done::Groups(keys), run_lane(p, s, c, run));
+                let held = run.len();
+                self.job(Done::Groups(keys), held, run_lane(p, s, c, run));
             }
         }
         let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
@@ -456,7 +487,7 @@ impl SlotRunner {
             let run: Vec<Delivery> = self.unordered.drain(..n).collect();
             self.running_unordered += 1;
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-            self.job(Done::Unordered, run_lane(p, s, c, run));
+            self.job(Done::Unordered, n, run_lane(p, s, c, run));
         }
     }
 }

@@ -221,11 +221,20 @@ pub enum FlushReason {
     /// The next message of its lane cannot join it (another type, tenant or
     /// handler), so waiting could not make it bigger.
     Boundary,
+    /// The slot holds as many deliveries as its prefetch allows and none is
+    /// in a call: nothing more can arrive until something settles, so
+    /// waiting could not make it bigger either.
+    Window,
 }
 
 impl FlushReason {
     /// Every reason, in a fixed order.
-    pub const ALL: [FlushReason; 3] = [FlushReason::Size, FlushReason::Linger, FlushReason::Boundary];
+    pub const ALL: [FlushReason; 4] = [
+        FlushReason::Size,
+        FlushReason::Linger,
+        FlushReason::Boundary,
+        FlushReason::Window,
+    ];
 
     /// The metric label.
     pub fn as_str(self) -> &'static str {
@@ -233,6 +242,7 @@ impl FlushReason {
             FlushReason::Size => "size",
             FlushReason::Linger => "linger",
             FlushReason::Boundary => "boundary",
+            FlushReason::Window => "window",
         }
     }
 }
