@@ -484,6 +484,39 @@ async fn saturation_finishes(on: On) {
     assert_eq!(watch.ledger.out_of_order(), 0);
 }
 
+/// A batch that cannot grow does not hold the window: once the slot holds
+/// every delivery its prefetch allows, nothing more can arrive until
+/// something settles, so partial batches run at once (reason `window`)
+/// instead of lingering. Four groups of one message each, prefetch 4, a
+/// linger of ten minutes: without the rule nothing runs for ten minutes.
+/// (A window with room still lingers: `memory_linger_flushes_a_partial_batch_…`.)
+async fn a_full_window_runs_partial_batches_without_their_linger(on: On) {
+    let watch = Watch::new(Duration::ZERO);
+    let cfg = config(&on, 100, Duration::from_secs(600), 8, 4);
+    let node = start(&on, &cfg, &watch, 2, false).await;
+    for (seq, g) in ["g0", "g1", "g2", "g3"].into_iter().enumerate() {
+        node.publish(&on.topology, &msg("batch.ok", Some(g), None, "", seq as u64))
+            .await
+            .unwrap();
+    }
+    let stats = node.stats();
+    wait_until("the four partial batches handled", Duration::from_secs(30), || {
+        stats.handled.load(Ordering::Relaxed) == 4
+    })
+    .await;
+    let snap = stats.snapshot();
+    assert_eq!(
+        (
+            snap.batches(),
+            snap.batch_flushes(FlushReason::Window),
+            snap.batch_members
+        ),
+        (4, 4, 4),
+        "one batch of one per group, each run because the window was full: {snap:?}"
+    );
+    node.shutdown().await.unwrap();
+}
+
 // ------------------------------------------------------------------- memory
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -509,6 +542,11 @@ async fn memory_poison_member_dead_letters_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_trap_replays_each_member_once() {
     trap_replays_each_member_once(memory()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_full_window_runs_partial_batches_without_their_linger() {
+    a_full_window_runs_partial_batches_without_their_linger(memory()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -575,40 +613,6 @@ async fn memory_linger_flushes_a_partial_batch_and_the_drain_releases_one() {
     );
 }
 
-/// A batch that cannot grow does not hold the window: once the slot holds
-/// every delivery its prefetch allows, nothing more can arrive until
-/// something settles, so partial batches run at once (reason `window`)
-/// instead of lingering. Four groups of one message each, prefetch 4, a
-/// linger of ten minutes: without the rule nothing runs for ten minutes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_a_full_window_runs_partial_batches_without_their_linger() {
-    let on = memory();
-    let watch = Watch::new(Duration::ZERO);
-    let cfg = config(&on, 100, Duration::from_secs(600), 8, 4);
-    let node = start(&on, &cfg, &watch, 2, false).await;
-    for (seq, g) in ["g0", "g1", "g2", "g3"].into_iter().enumerate() {
-        node.publish(&on.topology, &msg("batch.ok", Some(g), None, "", seq as u64))
-            .await
-            .unwrap();
-    }
-    let stats = node.stats();
-    wait_until("the four partial batches handled", Duration::from_secs(30), || {
-        stats.handled.load(Ordering::Relaxed) == 4
-    })
-    .await;
-    let snap = stats.snapshot();
-    assert_eq!(
-        (
-            snap.batches(),
-            snap.batch_flushes(FlushReason::Window),
-            snap.batch_members
-        ),
-        (4, 4, 4),
-        "one batch of one per group, each run because the window was full: {snap:?}"
-    );
-    node.shutdown().await.unwrap();
-}
-
 // ----------------------------------------------------------------- RabbitMQ
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -634,6 +638,11 @@ async fn rabbitmq_poison_member_dead_letters_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_trap_replays_each_member_once() {
     trap_replays_each_member_once(rabbit()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_full_window_runs_partial_batches_without_their_linger() {
+    a_full_window_runs_partial_batches_without_their_linger(rabbit()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

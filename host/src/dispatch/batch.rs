@@ -22,7 +22,7 @@ pub enum Take {
 /// Take the batch at the head of `lane`: the head and the members after it
 /// of the same rule, tenant and group, up to the rule's size. `window_full`:
 /// the slot can receive nothing more until something settles, so a partial
-/// batch runs now instead of lingering (it could not grow).
+/// batch runs now instead of lingering (it could not grow before then).
 pub fn take_batch(lane: &mut Lane, rule: &Arc<BatchRule>, now: Instant, window_full: bool) -> Take {
     let Some(head) = lane.queue.front() else {
         return Take::Wait(now);

@@ -221,9 +221,9 @@ pub enum FlushReason {
     /// The next message of its lane cannot join it (another type, tenant or
     /// handler), so waiting could not make it bigger.
     Boundary,
-    /// The slot holds as many deliveries as its prefetch allows and none is
-    /// in a call: nothing more can arrive until something settles, so
-    /// waiting could not make it bigger either.
+    /// The slot holds as many deliveries as its prefetch allows (in lanes or
+    /// in calls): nothing more can arrive until something settles, so
+    /// lingering would only hold the window.
     Window,
 }
 
