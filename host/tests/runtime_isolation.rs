@@ -204,6 +204,43 @@ fn fresh_mode_never_keeps_an_instance() {
     assert_eq!(live.component_instances(), 0);
 }
 
+/// A fresh instance never sees what an earlier one left in the same pool
+/// slot: the pool resets a returned memory by `memset` of the pages it
+/// touched (`linear_memory_keep_resident`, PAGEMAP_SCAN) rather than
+/// unmapping it, and this is the check that the reset is complete, below and
+/// above the part kept resident. The control is reuse mode, where the same
+/// instance's leftovers are found, so the scan can see them.
+#[test]
+fn a_fresh_instance_never_sees_an_earlier_ones_memory() {
+    let rt = runtime(1);
+    let marker = format!("weir-leak-{}", uuid::Uuid::new_v4().simple());
+    let mut reuse = HandlerSettings::new("kept");
+    reuse.instance_mode = InstanceMode::Reuse;
+    let kept = load(&rt, reuse);
+    let mut exec = Executor::new(rt.clone());
+    assert!(answer(&mut exec, &kept, "leak-write", &marker).is_ok());
+    let seen = rejection(&mut exec, &kept, "leak-scan", &marker);
+    assert!(
+        seen.starts_with("found at"),
+        "control: the scan finds what the same instance left: {seen}"
+    );
+    drop(exec);
+
+    let mut settings = HandlerSettings::new("fresh");
+    settings.instance_mode = InstanceMode::Fresh;
+    let v = load(&rt, settings);
+    let mut exec = Executor::new(rt);
+    for round in 0..3 {
+        let marker = format!("{marker}-{round}");
+        assert!(answer(&mut exec, &v, "leak-write", &marker).is_ok());
+        let seen = rejection(&mut exec, &v, "leak-scan", &marker);
+        assert!(
+            seen.starts_with("clean"),
+            "round {round}: a fresh instance (one pool slot, so the same one) saw the last one's memory: {seen}"
+        );
+    }
+}
+
 #[test]
 fn each_fault_has_its_kind() {
     let rt = runtime(8);

@@ -57,6 +57,11 @@ impl Handler for Faulty {
                 Err(Failure::reject(format!("config={value:?}")))
             }
             "env" => Err(Failure::reject(probe_sandbox())),
+            "leak-write" => {
+                leak_write(msg.payload());
+                Ok(())
+            }
+            "leak-scan" => Err(Failure::reject(leak_scan(msg.payload()))),
             k if k.starts_with("hostile.") => hostile::handle(&k["hostile.".len()..], &msg),
             k if k.starts_with("admin.") => admin_hardening::handle(k, &msg),
             k if k.starts_with("bytes.") => bytes::handle(&k["bytes.".len()..], &msg),
@@ -113,6 +118,55 @@ fn busy_wait(duration: Duration) {
     let start = Instant::now();
     while start.elapsed() < duration {
         black_box(());
+    }
+}
+
+/// Each byte of a leaked copy is the marker's XOR this, so the marker the
+/// scan is given (in its payload) never matches itself.
+const LEAK_MASK: u8 = 0x5a;
+
+/// Fill 3 MiB of heap (above and below the pool's 2 MiB kept resident)
+/// with masked copies of `marker` and leak it: what a later instance in the
+/// same pool slot must never see.
+fn leak_write(marker: &[u8]) {
+    let masked: Vec<u8> = marker.iter().map(|b| b ^ LEAK_MASK).collect();
+    let mut heap = Vec::with_capacity(3 << 20);
+    while heap.len() + masked.len() <= 3 << 20 {
+        heap.extend_from_slice(&masked);
+    }
+    std::mem::forget(black_box(heap));
+}
+
+/// Grow linear memory by 4 MiB (as far as an earlier instance wrote, and
+/// more), then look through all of it for a masked copy of `marker`:
+/// `clean`, or where the first one is.
+fn leak_scan(marker: &[u8]) -> String {
+    if marker.is_empty() {
+        return "leak-scan: an empty marker".into();
+    }
+    #[cfg(target_arch = "wasm32")]
+    let size = {
+        core::arch::wasm32::memory_grow(0, 64);
+        core::arch::wasm32::memory_size(0) * 65536
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    let size = 0usize;
+    let mut found = None;
+    // Page 0 holds nothing of ours; reading it is fine in Wasm (no null trap).
+    'scan: for at in 0..size.saturating_sub(marker.len()) {
+        for (k, want) in marker.iter().enumerate() {
+            // SAFETY: `at + k` is inside linear memory, all of which is readable in Wasm.
+            let got = unsafe { core::ptr::read_volatile((at + k) as *const u8) };
+            if got ^ LEAK_MASK != *want {
+                continue 'scan;
+            }
+        }
+        found = Some(at);
+        break;
+    }
+    match found {
+        Some(at) => format!("found at {at} of {size}"),
+        None => format!("clean ({size} bytes)"),
     }
 }
 
