@@ -18,20 +18,30 @@
 //!
 //! * `rabbitmq-drain` — a backlog of N persistent messages on RabbitMQ
 //!   (`--amqp URL`), drained by a bare lapin consumer (no-op, `multiple` ack
-//!   every 128) and then by a Weir node with the noop guest, same prefetch;
-//!   rows `rmq-bare` and `rmq-weir` and their ratio.
-//!   `--batch N` makes the Weir node deliver through `handle-batch` of size N.
+//!   every 128), by the same consumer calling the noop component inline
+//!   through a plain wasmtime loop (`anchor.rs`), and by a Weir node with the
+//!   noop guest, same prefetch, `--drain-runs` (5) interleaved runs; rows
+//!   `rmq-bare`, `rmq-bare-wasm`, `rmq-weir`, and the medians of the per-run
+//!   ratios. `--batch N` makes the Weir node deliver through `handle-batch`.
 //! * `nats-drain` — the same on NATS JetStream (`--nats URL`): a backlog in
 //!   the file-backed stream, drained by a bare async-nats pull consumer per
-//!   slot (batches of 256, one explicit ack per message) and by a Weir node;
-//!   rows `nats-bare` and `nats-weir` and their ratio.
+//!   slot (batches of 256, one explicit ack per message), with and without
+//!   the inline Wasm call, and by a Weir node; rows `nats-bare`,
+//!   `nats-bare-wasm`, `nats-weir`.
 //! * `skew-zipf`, `skew-hot` — the memory broker, group ids Zipf-distributed
 //!   (s = 1.1 over 10 000 groups; `skew-hot` sends a quarter of the messages
 //!   to one hot group on top), the noop guest burning `--spin-us` (50) of CPU
 //!   per message: throughput against the ideal, cores / work time.
 //! * `rss-idle`, `rss-loaded` — resident memory of a node (in a child
 //!   process): idle, and with 64 slots and 10 000 groups active.
-//! * `latency` — publish-to-handled p50/p90/p99 at half the e2e-reuse peak.
+//! * `latency` — publish-to-handled p50/p90/p99 at half the e2e-reuse peak;
+//!   `latency-rabbitmq`, `latency-nats` the same at half that broker's Weir
+//!   drain (20 000 msg/s when the run did not drain it).
+//! * `payload-size` — `e2e-reuse` with 256 B, 16 KiB and 256 KiB payloads:
+//!   ns per KiB and copies per payload byte (`payload.rs`).
+//! * `instructions` — instructions per message by callgrind for `handle` and
+//!   `handle-batch` of 100, default shape and full batches (`instructions.rs`;
+//!   needs valgrind, runs this binary under it).
 //!
 //! Groups: `bare` (the five bare scenarios), `e2e` (the five e2e ones),
 //! `all` (everything, brokers included; `--quick` for a smoke run).
@@ -58,9 +68,12 @@ use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerSettings, Instan
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{TopologySpec, Transport};
 
+mod anchor;
 mod charts;
 mod hostile;
+mod instructions;
 mod natsb;
+mod payload;
 mod polyglot;
 mod rabbit;
 mod skew;
@@ -71,7 +84,7 @@ pub struct Drain {
 }
 
 /// A fresh topology name for one drain (its objects are deleted afterwards).
-fn drain_topology() -> String {
+pub(crate) fn drain_topology() -> String {
     format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
 }
 
@@ -154,9 +167,10 @@ fn bench_pool_instances() -> Option<u32> {
         .and_then(|v| v.parse().ok())
 }
 
-/// The same allocator as the `weir` binary, so the figures are the shipped host's.
+/// The same allocator as the `weir` binary, so the figures are the shipped
+/// host's, counting its large allocations for `payload-size`.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: payload::Counting = payload::Counting;
 
 const TOPOLOGY: &str = "bench";
 const MESSAGE_TYPE: &str = "bench.noop";
@@ -173,7 +187,7 @@ const ALL: [&str; 10] = [
     "e2e-batch-100",
 ];
 /// Scenarios beyond the host-cost ones; `all` runs these too.
-const SUITE: [&str; 7] = [
+const SUITE: [&str; 11] = [
     "rabbitmq-drain",
     "nats-drain",
     "skew-zipf",
@@ -181,7 +195,15 @@ const SUITE: [&str; 7] = [
     "rss-idle",
     "rss-loaded",
     "latency",
+    "latency-rabbitmq",
+    "latency-nats",
+    "payload-size",
+    "instructions",
 ];
+
+/// Peak assumed by `latency-rabbitmq` / `latency-nats` when this run did not
+/// drain that broker, msg/s.
+const DEFAULT_BROKER_PEAK: f64 = 20_000.0;
 
 /// How long a partial batch waits in the batch scenarios (`--linger-ms`, default 5).
 static LINGER: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
@@ -204,6 +226,8 @@ struct Opts {
     /// Calls per bare fresh run.
     bare_fresh_messages: u64,
     runs: usize,
+    /// Interleaved runs of each broker drain (the ratios are their medians).
+    drain_runs: usize,
     groups: u64,
     /// Every k-th message has no group id.
     ungrouped_every: u64,
@@ -226,6 +250,8 @@ struct Opts {
     skew_messages: u64,
     /// Length of the latency run at half the peak rate, seconds.
     latency_seconds: f64,
+    /// Publish at this rate in the latency scenarios instead of half the peak (msg/s).
+    latency_rate: Option<f64>,
     /// `__rss-probe WHICH`: this process is the child of an RSS scenario.
     rss_probe: Option<String>,
 }
@@ -233,7 +259,7 @@ struct Opts {
 fn usage() -> String {
     format!(
         "usage: weir-bench [SCENARIO|bare|e2e|all]... [--quick] [--messages N] [--drain-messages N] [--fresh-messages N] [--bare-messages N] \
-         [--bare-fresh-messages N] [--skew-messages N] [--spin-us US] [--latency-seconds S] [--runs R] [--groups G] \
+         [--bare-fresh-messages N] [--skew-messages N] [--spin-us US] [--latency-seconds S] [--latency-rate R] [--runs R] [--drain-runs R] [--groups G] \
          [--ungrouped-every K] [--slots S] [--workers W] [--prefetch P] [--batch N] [--linger-ms MS] [--amqp URL] \
          [--nats URL] [--out PATH] [--charts DIR|--no-charts]\n\
          scenarios: {}, {}\n\
@@ -252,6 +278,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         bare_messages: 200_000,
         bare_fresh_messages: 20_000,
         runs: 3,
+        drain_runs: 5,
         groups: 1_000,
         ungrouped_every: 10,
         slots: 4,
@@ -265,6 +292,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         spin_us: 50,
         skew_messages: 40_000,
         latency_seconds: 3.0,
+        latency_rate: None,
         rss_probe: None,
     };
     let mut args = std::env::args().skip(1);
@@ -284,6 +312,7 @@ fn parse_args() -> anyhow::Result<Opts> {
             "--bare-messages" => o.bare_messages = num("--bare-messages")?,
             "--bare-fresh-messages" => o.bare_fresh_messages = num("--bare-fresh-messages")?,
             "--runs" => o.runs = usize::try_from(num("--runs")?)?.max(1),
+            "--drain-runs" => o.drain_runs = usize::try_from(num("--drain-runs")?)?.max(1),
             "--groups" => o.groups = num("--groups")?.max(1),
             "--ungrouped-every" => o.ungrouped_every = num("--ungrouped-every")?,
             "--slots" => o.slots = u32::try_from(num("--slots")?)?.max(1),
@@ -300,6 +329,7 @@ fn parse_args() -> anyhow::Result<Opts> {
             "--spin-us" => o.spin_us = num("--spin-us")?.max(1),
             "--skew-messages" => o.skew_messages = num("--skew-messages")?.max(1),
             "--latency-seconds" => o.latency_seconds = num("--latency-seconds")?.max(1) as f64,
+            "--latency-rate" => o.latency_rate = Some(num("--latency-rate")?.max(1) as f64),
             "--quick" => {
                 o.messages = 20_000;
                 o.drain_messages = 20_000;
@@ -309,6 +339,7 @@ fn parse_args() -> anyhow::Result<Opts> {
                 o.skew_messages = 10_000;
                 o.latency_seconds = 1.0;
                 o.runs = 1;
+                o.drain_runs = 1;
             }
             "__rss-probe" => o.rss_probe = Some(args.next().with_context(usage)?),
             "--amqp" => o.amqp = args.next().with_context(usage)?,
@@ -369,7 +400,13 @@ fn message(i: u64, group: Option<String>) -> Envelope {
         100 + i % 900
     )
     .into_bytes();
-    payload.resize(254, b'x');
+    payload.resize(
+        payload::PAYLOAD_BYTES
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(32)
+            - 2,
+        b'x',
+    );
     payload.extend_from_slice(b"\"}");
     envelope::new_message(
         envelope::fresh_id(),
@@ -555,6 +592,8 @@ struct E2eRun {
     publish: Duration,
     /// Mean members per `handle-batch` call (0 without batching).
     mean_batch: f64,
+    /// Bytes the process allocated in blocks of 4 KiB or more while timed.
+    large_alloc_bytes: u64,
 }
 
 /// The group id of the `i`-th message in the default shape: `--groups`
@@ -579,7 +618,8 @@ fn e2e_once(
 
 /// Declare [`TOPOLOGY`] with `slots` slots on `transport` and publish `n`
 /// benchmark messages to it, one after the other, with the group ids
-/// `group_of` gives.
+/// `group_of` gives. Never inlined: `instructions` subtracts its cost.
+#[inline(never)]
 fn prepublish(
     tokio_rt: &tokio::runtime::Runtime,
     transport: &dyn Transport,
@@ -632,6 +672,7 @@ fn e2e_shaped(
     // Runners are spawned at the very end of `start`; time from here.
     let t1 = Instant::now();
     let cpu1 = process_cpu_ns();
+    let large1 = payload::LARGE_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     let stats = node.stats();
     let handled_at_start = stats.handled.load(std::sync::atomic::Ordering::Relaxed);
     // Poll from this (non-runtime) thread so the runtime's own threads are
@@ -652,6 +693,9 @@ fn e2e_shaped(
     }
     let wall = t1.elapsed();
     let cpu_ns = process_cpu_ns().saturating_sub(cpu1);
+    let large_alloc_bytes = payload::LARGE_BYTES
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(large1);
     let snap = stats.snapshot();
     let mean_batch = snap.batch_members as f64 / snap.batches().max(1) as f64;
     tokio_rt.block_on(node.shutdown())?;
@@ -666,6 +710,7 @@ fn e2e_shaped(
         handled_at_start,
         publish,
         mean_batch,
+        large_alloc_bytes,
     })
 }
 
@@ -738,55 +783,88 @@ fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str, batch: Option<u
     })
 }
 
-// ------------------------------------------------------ rabbitmq-drain ---
+// -------------------------------------------------------------- drains ---
 
-fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
+/// Interleaved drain runs of one broker: per run, the bare client with a
+/// native no-op, the bare client calling the noop component inline
+/// ([`anchor`]), then Weir; rows `{prefix}-bare`, `{prefix}-bare-wasm` and
+/// `{prefix}-weir`, the Weir row carrying the per-run ratios (the target
+/// is the median of those, not a ratio of medians).
+fn drain_rows(
+    o: &Opts,
+    label: &str,
+    names: [&'static str; 3],
+    note: &str,
+    bare: impl AsyncFn(u64, Option<&anchor::Anchor>) -> anyhow::Result<Drain>,
+    weir: impl AsyncFn(u64) -> anyhow::Result<Drain>,
+) -> anyhow::Result<Vec<Row>> {
     let tokio_rt = node::async_runtime()?;
-    let prefetch = match o.prefetch {
+    let n = o.drain_messages;
+    let wasm = anchor::Anchor::new()?;
+    // Warm-up (compiles the guest into the cache), discarded.
+    tokio_rt.block_on(weir((n / 10).max(1000)))?;
+    let (mut bare_ns, mut wasm_ns, mut weir_ns) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut to_bare, mut to_wasm) = (Vec::new(), Vec::new());
+    for r in 0..o.drain_runs {
+        let b = tokio_rt.block_on(bare(n, None))?.wall.as_nanos() as f64 / n as f64;
+        let a = tokio_rt.block_on(bare(n, Some(&wasm)))?.wall.as_nanos() as f64 / n as f64;
+        let w = tokio_rt.block_on(weir(n))?.wall.as_nanos() as f64 / n as f64;
+        eprintln!(
+            "[weir-bench] {label} run {}/{}: bare {:.0} msg/s, bare+wasm {:.0} msg/s, weir {:.0} msg/s; \
+             weir/bare {:.2}, weir/bare+wasm {:.2}",
+            r + 1,
+            o.drain_runs,
+            1e9 / b,
+            1e9 / a,
+            1e9 / w,
+            b / w,
+            a / w
+        );
+        bare_ns.push(b);
+        wasm_ns.push(a);
+        weir_ns.push(w);
+        to_bare.push(b / w);
+        to_wasm.push(a / w);
+    }
+    let row = |name, runs_ns, extra, what: &str| Row {
+        name,
+        messages: n,
+        runs_ns,
+        extra,
+        note: format!("{what}; {note}"),
+    };
+    Ok(vec![
+        row(names[0], bare_ns, vec![], "bare client, native no-op"),
+        row(
+            names[1],
+            wasm_ns,
+            vec![],
+            "bare client calling the noop component inline (plain wasmtime loop, one store per consumer)",
+        ),
+        row(
+            names[2],
+            weir_ns,
+            vec![("ratio_to_bare", to_bare), ("ratio_to_bare_wasm", to_wasm)],
+            "Weir node, noop guest (timed from Node::start)",
+        ),
+    ])
+}
+
+pub(crate) fn prefetch_of(o: &Opts) -> u32 {
+    match o.prefetch {
         0 => config::Transport::default().prefetch,
         p => p,
-    };
-    let prefetch16 = u16::try_from(prefetch).context("--prefetch must fit in 16 bits for RabbitMQ")?;
-    let n = o.drain_messages;
-    let cache = o.out.parent().map(|p| p.join("cache"));
-    let (mut bare_ns, mut weir_ns) = (Vec::new(), Vec::new());
-    // Warm-up (compiles the guest into the cache), discarded.
-    tokio_rt.block_on(rabbit::weir(
-        &o.amqp,
-        o.slots,
-        (n / 10).max(1000),
-        o.groups,
-        prefetch16,
-        o.workers,
-        cache.clone(),
-        (o.batch > 0).then_some(o.batch),
-    ))?;
-    for r in 0..o.runs {
-        let b = tokio_rt.block_on(rabbit::bare(&o.amqp, o.slots, n, o.groups, prefetch16))?;
-        let w = tokio_rt.block_on(rabbit::weir(
-            &o.amqp,
-            o.slots,
-            n,
-            o.groups,
-            prefetch16,
-            o.workers,
-            cache.clone(),
-            (o.batch > 0).then_some(o.batch),
-        ))?;
-        let (bns, wns) = (b.wall.as_nanos() as f64 / n as f64, w.wall.as_nanos() as f64 / n as f64);
-        eprintln!(
-            "[weir-bench] rabbitmq-drain run {}/{}: bare {:.0} msg/s, weir {:.0} msg/s, ratio {:.2}",
-            r + 1,
-            o.runs,
-            1e9 / bns,
-            1e9 / wns,
-            bns / wns
-        );
-        bare_ns.push(bns);
-        weir_ns.push(wns);
     }
+}
+
+fn rabbitmq_drain(o: &Opts) -> anyhow::Result<Vec<Row>> {
+    let prefetch = prefetch_of(o);
+    let prefetch16 = u16::try_from(prefetch).context("--prefetch must fit in 16 bits for RabbitMQ")?;
+    let cache = o.out.parent().map(|p| p.join("cache"));
+    let batch = (o.batch > 0).then_some(o.batch);
     let note = format!(
-        "{n} persistent msgs preloaded on {} slot queues, prefetch {prefetch}, {} groups{}",
+        "{} persistent msgs preloaded on {} slot queues, prefetch {prefetch}, {} groups, multiple ack every 128 (bare){}",
+        o.drain_messages,
         o.slots,
         o.groups,
         match o.batch {
@@ -794,88 +872,44 @@ fn rabbitmq_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
             b => format!(", weir through handle-batch size {b}, linger {:?}", bench_linger()),
         }
     );
-    Ok((
-        Row {
-            name: "rmq-bare",
-            messages: n,
-            runs_ns: bare_ns,
-            extra: vec![],
-            note: format!("bare lapin consumer per slot queue, no-op, multiple ack every 128; {note}"),
+    drain_rows(
+        o,
+        "rabbitmq-drain",
+        ["rmq-bare", "rmq-bare-wasm", "rmq-weir"],
+        &note,
+        async |n, wasm| rabbit::bare(&o.amqp, o.slots, n, o.groups, prefetch16, wasm).await,
+        async |n| {
+            rabbit::weir(
+                &o.amqp,
+                o.slots,
+                n,
+                o.groups,
+                prefetch16,
+                o.workers,
+                cache.clone(),
+                batch,
+            )
+            .await
         },
-        Row {
-            name: "rmq-weir",
-            messages: n,
-            runs_ns: weir_ns,
-            extra: vec![],
-            note: format!("Weir node, noop guest (timed from Node::start); {note}"),
-        },
-    ))
+    )
 }
 
-// ---------------------------------------------------------- nats-drain ---
-
-fn nats_drain(o: &Opts) -> anyhow::Result<(Row, Row)> {
-    let tokio_rt = node::async_runtime()?;
-    let prefetch = match o.prefetch {
-        0 => config::Transport::default().prefetch,
-        p => p,
-    };
-    let n = o.drain_messages;
+fn nats_drain(o: &Opts) -> anyhow::Result<Vec<Row>> {
+    let prefetch = prefetch_of(o);
     let cache = o.out.parent().map(|p| p.join("cache"));
-    let (mut bare_ns, mut weir_ns) = (Vec::new(), Vec::new());
-    // Warm-up (compiles the guest into the cache), discarded.
-    tokio_rt.block_on(natsb::weir(
-        &o.nats,
-        o.slots,
-        (n / 10).max(1000),
-        o.groups,
-        prefetch,
-        o.workers,
-        cache.clone(),
-    ))?;
-    for r in 0..o.runs {
-        let b = tokio_rt.block_on(natsb::bare(&o.nats, o.slots, n, o.groups, prefetch))?;
-        let w = tokio_rt.block_on(natsb::weir(
-            &o.nats,
-            o.slots,
-            n,
-            o.groups,
-            prefetch,
-            o.workers,
-            cache.clone(),
-        ))?;
-        let (bns, wns) = (b.wall.as_nanos() as f64 / n as f64, w.wall.as_nanos() as f64 / n as f64);
-        eprintln!(
-            "[weir-bench] nats-drain run {}/{}: bare {:.0} msg/s, weir {:.0} msg/s, ratio {:.2}",
-            r + 1,
-            o.runs,
-            1e9 / bns,
-            1e9 / wns,
-            bns / wns
-        );
-        bare_ns.push(bns);
-        weir_ns.push(wns);
-    }
     let note = format!(
-        "{n} msgs preloaded into a file-backed stream over {} slot subjects, max-ack-pending {prefetch}, {} groups",
-        o.slots, o.groups
+        "{} msgs preloaded into a file-backed stream over {} slot subjects, max-ack-pending {prefetch}, {} groups, \
+         pull batches of 256 and one ack per message (bare)",
+        o.drain_messages, o.slots, o.groups
     );
-    Ok((
-        Row {
-            name: "nats-bare",
-            messages: n,
-            runs_ns: bare_ns,
-            extra: vec![],
-            note: format!("bare async-nats pull consumer per slot, batches of 256, one ack per message; {note}"),
-        },
-        Row {
-            name: "nats-weir",
-            messages: n,
-            runs_ns: weir_ns,
-            extra: vec![],
-            note: format!("Weir node, noop guest (timed from Node::start); {note}"),
-        },
-    ))
+    drain_rows(
+        o,
+        "nats-drain",
+        ["nats-bare", "nats-bare-wasm", "nats-weir"],
+        &note,
+        async |n, wasm| natsb::bare(&o.nats, o.slots, n, o.groups, prefetch, wasm).await,
+        async |n| natsb::weir(&o.nats, o.slots, n, o.groups, prefetch, o.workers, cache.clone()).await,
+    )
 }
 
 // ---------------------------------------------------------------- main ---
@@ -903,74 +937,172 @@ fn ratio(rows: &[Row], num: &str, den: &str) -> Option<f64> {
     Some(f(den)? / f(num)?).filter(|r| r.is_finite())
 }
 
-/// The ratios of the suite, each against its anchor: (key, label, value, target).
-fn ratios(rows: &[Row]) -> Vec<(&'static str, &'static str, f64, Option<f64>)> {
-    let extra = |n: &str, k: &str| rows.iter().find(|r| r.name == n).and_then(|r| r.extra(k));
-    // (key, label, value, target); rows this run did not produce are left out.
+/// One figure of the suite against its target.
+struct Check {
+    key: &'static str,
+    label: &'static str,
+    value: f64,
+    target: Option<f64>,
+    /// The target is a floor (throughput ratios) rather than a ceiling.
+    higher_is_better: bool,
+}
+
+impl Check {
+    fn met(&self) -> Option<bool> {
+        self.target.map(|t| match self.higher_is_better {
+            true => self.value >= t,
+            false => self.value <= t,
+        })
+    }
+}
+
+/// Every figure of the suite with its target (issue 17's among them); rows
+/// this run did not produce are left out.
+fn ratios(rows: &[Row]) -> Vec<Check> {
+    let row = |n: &str| rows.iter().find(|r| r.name == n);
+    let extra = |n: &str, k: &str| row(n).and_then(|r| r.extra(k));
+    let instr = |n: &str| extra(n, "instructions_per_message");
+    let quotient = |a: Option<f64>, b: Option<f64>| Some(a? / b?).filter(|v| v.is_finite());
+    let up = |key, label, value, target| (key, label, value, target, true);
+    let down = |key, label, value, target| (key, label, value, target, false);
     let all = [
-        (
+        up(
+            "rabbitmq_drain_wasm",
+            "RabbitMQ drain: Weir / lapin+Wasm",
+            extra("rmq-weir", "ratio_to_bare_wasm"),
+            Some(0.95),
+        ),
+        up(
             "rabbitmq_drain",
             "RabbitMQ drain: Weir / bare lapin",
-            ratio(rows, "rmq-weir", "rmq-bare"),
-            Some(0.9),
+            extra("rmq-weir", "ratio_to_bare"),
+            Some(0.95),
         ),
-        (
+        up(
+            "nats_drain_wasm",
+            "NATS drain: Weir / pull+Wasm",
+            extra("nats-weir", "ratio_to_bare_wasm"),
+            Some(0.95),
+        ),
+        up(
             "nats_drain",
             "NATS drain: Weir / bare pull",
-            ratio(rows, "nats-weir", "nats-bare"),
-            Some(0.9),
+            extra("nats-weir", "ratio_to_bare"),
+            Some(0.85),
         ),
-        (
+        up(
             "skew_zipf",
             "Zipf skew: msg/s / ideal",
             extra("skew-zipf", "ratio_to_ideal"),
             Some(0.8),
         ),
-        (
+        up(
             "skew_hot",
             "Zipf + hot group / ideal",
             extra("skew-hot", "ratio_to_ideal"),
             Some(0.8),
         ),
-        (
+        up(
             "skew_zipf_cpu_bound",
             "Zipf skew: work / CPU per msg",
             extra("skew-zipf", "cpu_bound_ratio"),
             Some(0.8),
         ),
-        (
+        up(
             "memory_e2e",
             "memory e2e / bare call loop",
             ratio(rows, "e2e-reuse", "bare-reuse"),
             None,
         ),
-        (
+        up(
             "fresh_vs_reuse",
             "e2e fresh / e2e reuse",
             ratio(rows, "e2e-fresh", "e2e-reuse"),
             None,
         ),
-        (
+        up(
             "batch_1",
             "e2e handle-batch 1 / handle",
             ratio(rows, "e2e-batch-1", "e2e-reuse"),
             None,
         ),
-        (
+        up(
             "batch_10",
             "e2e handle-batch 10 / handle",
             ratio(rows, "e2e-batch-10", "e2e-reuse"),
             None,
         ),
-        (
+        up(
             "batch_100",
             "e2e handle-batch 100 / handle",
             ratio(rows, "e2e-batch-100", "e2e-reuse"),
             None,
         ),
+        down(
+            "instructions_per_message",
+            "instructions/msg, e2e-reuse",
+            instr("instr-handle"),
+            Some(6000.0),
+        ),
+        down(
+            "batch_instructions_default",
+            "instr. batch-100 / handle, default",
+            quotient(instr("instr-batch-100"), instr("instr-handle")),
+            Some(1.05),
+        ),
+        down(
+            "batch_instructions_full",
+            "instr. batch-100 / handle, full",
+            quotient(instr("instr-batch-full"), instr("instr-handle-full")),
+            Some(0.5),
+        ),
+        down(
+            "fresh_us_per_message",
+            "e2e fresh: µs per message",
+            row("e2e-fresh").map(|r| r.ns() / 1e3),
+            Some(30.0),
+        ),
+        down(
+            "latency_p99_ms",
+            "p99 latency, memory, ms",
+            extra("latency", "p99_us").map(|v| v / 1e3),
+            Some(5.0),
+        ),
+        down(
+            "latency_rabbitmq_p99_ms",
+            "p99 latency, RabbitMQ, ms",
+            extra("latency-rabbitmq", "p99_us").map(|v| v / 1e3),
+            None,
+        ),
+        down(
+            "latency_nats_p99_ms",
+            "p99 latency, NATS, ms",
+            extra("latency-nats", "p99_us").map(|v| v / 1e3),
+            None,
+        ),
+        down(
+            "payload_copies_16k",
+            "copies per byte, 16 KiB payload",
+            extra("payload-16k", "copies_per_byte"),
+            Some(1.0),
+        ),
+        down(
+            "payload_copies_256k",
+            "copies per byte, 256 KiB payload",
+            extra("payload-256k", "copies_per_byte"),
+            Some(1.0),
+        ),
     ];
     all.into_iter()
-        .filter_map(|(key, label, value, target)| value.map(|v| (key, label, v, target)))
+        .filter_map(|(key, label, value, target, higher_is_better)| {
+            value.map(|value| Check {
+                key,
+                label,
+                value,
+                target,
+                higher_is_better,
+            })
+        })
         .collect()
 }
 
@@ -982,9 +1114,10 @@ fn draw_charts(dir: &std::path::Path, rows: &[Row], machine: &Value) -> anyhow::
         machine["cpus"],
         machine["loadavg_at_start"].as_str().unwrap_or("?")
     );
-    let r = ratios(rows);
+    // The chart holds the throughput ratios (higher is better) only.
+    let r: Vec<Check> = ratios(rows).into_iter().filter(|c| c.higher_is_better).collect();
     if !r.is_empty() {
-        let bars: Vec<Bar> = r.iter().map(|(_, l, v, t)| Bar::new(*l, *v, *t)).collect();
+        let bars: Vec<Bar> = r.iter().map(|c| Bar::new(c.label, c.value, c.target)).collect();
         charts::write(
             dir,
             "ratios.svg",
@@ -1073,13 +1206,15 @@ fn run_scenario(s: &'static str, o: &Opts, rt: Option<&Arc<Runtime>>, rows: &mut
         ("e2e-batch-10", _) => e2e(o, config::InstanceMode::Reuse, s, Some(10))?,
         ("e2e-batch-100", _) => e2e(o, config::InstanceMode::Reuse, s, Some(100))?,
         ("rabbitmq-drain", _) => {
-            let (bare, weir) = rabbitmq_drain(o)?;
-            rows.push(bare);
+            let mut r = rabbitmq_drain(o)?;
+            let weir = r.pop().context("no rows")?;
+            rows.extend(r);
             weir
         }
         ("nats-drain", _) => {
-            let (bare, weir) = nats_drain(o)?;
-            rows.push(bare);
+            let mut r = nats_drain(o)?;
+            let weir = r.pop().context("no rows")?;
+            rows.extend(r);
             weir
         }
         ("skew-zipf", _) => skew::skew(o, s, 0.0)?,
@@ -1097,7 +1232,30 @@ fn run_scenario(s: &'static str, o: &Opts, rt: Option<&Arc<Runtime>>, rows: &mut
                     n as f64 / run.wall.as_secs_f64()
                 }
             };
-            skew::latency(o, s, peak)?
+            skew::latency(o, s, peak, skew::LatencyBroker::Memory)?
+        }
+        ("latency-rabbitmq" | "latency-nats", _) => {
+            let (drained, broker) = match s {
+                "latency-rabbitmq" => ("rmq-weir", skew::LatencyBroker::Rabbitmq),
+                _ => ("nats-weir", skew::LatencyBroker::Nats),
+            };
+            let peak = rows
+                .iter()
+                .find(|r| r.name == drained)
+                .map_or(DEFAULT_BROKER_PEAK, |r| 1e9 / r.ns());
+            skew::latency(o, s, peak, broker)?
+        }
+        ("payload-size", _) => {
+            let mut r = payload::payload_size(o)?;
+            let last = r.pop().context("no rows")?;
+            rows.extend(r);
+            last
+        }
+        ("instructions", _) => {
+            let mut r = instructions::instructions(o)?;
+            let last = r.pop().context("no rows")?;
+            rows.extend(r);
+            last
         }
         _ => bail!("scenario {s} has no runner"),
     };
@@ -1166,6 +1324,11 @@ fn main() -> anyhow::Result<()> {
                         | "p50_us"
                         | "p99_us"
                         | "p999_us"
+                        | "ns_per_kib"
+                        | "copies_per_byte"
+                        | "instructions_per_message"
+                        | "ratio_to_bare"
+                        | "ratio_to_bare_wasm"
                 )
             })
             .map(|(k, v)| format!("{k}={:.2}", median(v)))
@@ -1208,23 +1371,36 @@ fn main() -> anyhow::Result<()> {
     let suite_ratios = ratios(&rows);
     if !suite_ratios.is_empty() {
         println!();
-        println!("{:<34} {:>7} {:>8}", "ratio against its anchor", "value", "target");
-        for (_, label, v, t) in &suite_ratios {
-            let target = t.map_or_else(|| "-".to_owned(), |t| format!("{t:.2}"));
-            let verdict = match t {
-                Some(t) if v >= t => "met",
-                Some(_) => "MISSED",
+        println!("{:<36} {:>9} {:>10}", "figure against its target", "value", "target");
+        for c in &suite_ratios {
+            let target = c.target.map_or_else(
+                || "-".to_owned(),
+                |t| format!("{}{t:.2}", if c.higher_is_better { ">=" } else { "<=" }),
+            );
+            let verdict = match c.met() {
+                Some(true) => "met",
+                Some(false) => "MISSED",
                 None => "",
             };
-            println!("{label:<34} {v:>7.2} {target:>8} {verdict}");
+            let value = match c.value.abs() >= 100.0 {
+                true => format!("{:.0}", c.value),
+                false => format!("{:.2}", c.value),
+            };
+            println!("{:<36} {value:>9} {target:>10} {verdict}", c.label);
         }
     }
     let ratio_json: serde_json::Map<String, Value> = suite_ratios
         .iter()
-        .map(|(k, l, v, t)| {
+        .map(|c| {
             (
-                (*k).to_owned(),
-                json!({ "label": l, "value": v, "target": t, "meets_target": t.map(|t| *v >= t) }),
+                c.key.to_owned(),
+                json!({
+                    "label": c.label,
+                    "value": c.value,
+                    "target": c.target,
+                    "higher_is_better": c.higher_is_better,
+                    "meets_target": c.met(),
+                }),
             )
         })
         .collect();

@@ -1,7 +1,9 @@
 //! `nats-drain`: a backlog of N messages preloaded into the file-backed
 //! stream of a fresh topology, drained (1) by a bare async-nats pull consumer
 //! per slot (batches of 256, one explicit ack per message, no-op native
-//! handler), and (2) by a Weir node with the noop guest; same
+//! handler), (2) by the same consumer calling the noop component inline
+//! through a plain wasmtime loop ([`crate::anchor`]) before each ack, and
+//! (3) by a Weir node with the noop guest; same
 //! max-ack-pending, same backlog shape, in one run. Each drain gets its own
 //! topology, whose streams are deleted afterwards.
 
@@ -27,7 +29,7 @@ async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyh
     Ok(())
 }
 
-async fn cleanup(url: &str, topo: &str) {
+pub(crate) async fn cleanup(url: &str, topo: &str) {
     let Ok(client) = async_nats::connect(url).await else {
         return;
     };
@@ -37,9 +39,33 @@ async fn cleanup(url: &str, topo: &str) {
     }
 }
 
+/// The envelope the anchor hands the guest: Weir's own decode of the
+/// message's headers, the payload moved in.
+fn envelope_of(m: &async_nats::Message) -> anyhow::Result<weir::envelope::Envelope> {
+    let pairs = m.headers.iter().flat_map(|h| {
+        h.iter().flat_map(|(name, values)| {
+            values
+                .iter()
+                .map(move |v| (AsRef::<str>::as_ref(name), std::borrow::Cow::Borrowed(v.as_str())))
+        })
+    });
+    let mut env = weir::envelope::decode_pairs(pairs, weir::envelope::fresh_id, None)
+        .context("a bench message did not decode")?;
+    env.payload = Vec::from(m.payload.clone());
+    Ok(env)
+}
+
 /// The bare consumer: one durable pull consumer per slot (Weir's names and
-/// filter, explicit ack), batches of 256, one `+ACK` per message.
-pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u32) -> anyhow::Result<Drain> {
+/// filter, explicit ack), batches of 256, one `+ACK` per message; with
+/// `wasm`, the noop component is called on the decoded envelope before it.
+pub async fn bare(
+    url: &str,
+    slots: u32,
+    n: u64,
+    groups: u64,
+    prefetch: u32,
+    wasm: Option<&crate::anchor::Anchor>,
+) -> anyhow::Result<Drain> {
     let topo = crate::drain_topology();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
@@ -65,6 +91,7 @@ pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u32) -> 
         let t0 = Instant::now();
         let mut tasks = tokio::task::JoinSet::new();
         for (c, count) in consumers {
+            let mut caller = wasm.map(crate::anchor::Anchor::caller).transpose()?;
             tasks.spawn(async move {
                 let mut messages = c.stream().max_messages_per_batch(BARE_BATCH).messages().await?;
                 let mut got = 0u64;
@@ -75,7 +102,10 @@ pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u32) -> 
                         .context("consumer ended")?
                         .map_err(|e| anyhow::anyhow!("{e}"))?;
                     got += 1;
-                    std::hint::black_box(&m.payload);
+                    match &mut caller {
+                        Some(c) => c.call(&envelope_of(&m)?)?,
+                        None => drop(std::hint::black_box(&m.payload)),
+                    }
                     m.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
                 }
                 anyhow::Ok(())
@@ -91,7 +121,7 @@ pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u32) -> 
     result
 }
 
-fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
+pub(crate) fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> Config {
     let handler = config::Handler::new("noop", "bundled:noop", topo, vec![crate::MESSAGE_TYPE.into()]);
     let mut t = config::Topology::new(topo, slots);
     t.max_concurrent_groups = 256;

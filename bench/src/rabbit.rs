@@ -1,7 +1,9 @@
 //! `rabbitmq-drain`: a backlog of N persistent messages on the slot queues of
 //! a fresh topology, drained (1) by a bare lapin consumer per slot queue with
-//! a no-op native handler that acks with `multiple` every 128 deliveries, and
-//! (2) by a Weir node with the noop guest; same prefetch, same backlog shape,
+//! a no-op native handler that acks with `multiple` every 128 deliveries,
+//! (2) by the same consumer calling the noop component inline through a
+//! plain wasmtime loop ([`crate::anchor`]) before it counts a delivery, and
+//! (3) by a Weir node with the noop guest; same prefetch, same backlog shape,
 //! in one run. Each drain gets its own topology, deleted afterwards.
 
 use std::sync::Arc;
@@ -29,7 +31,7 @@ async fn preload(url: &str, topo: &str, slots: u32, n: u64, groups: u64) -> anyh
     Ok(())
 }
 
-async fn cleanup(url: &str, topo: &str, slots: u32) {
+pub(crate) async fn cleanup(url: &str, topo: &str, slots: u32) {
     let rungs = weir::transport::rabbitmq::rungs(&TopologySpec::new(topo, slots));
     let Ok(conn) = Connection::connect(url, ConnectionProperties::default()).await else {
         return;
@@ -61,9 +63,38 @@ async fn depth(ch: &lapin::Channel, queue: &str) -> anyhow::Result<u64> {
     Ok(u64::from(q.message_count()))
 }
 
-/// The bare consumer: one channel and consumer per slot queue, no-op handler,
-/// `multiple` ack every 128 deliveries and at the end.
-pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u16) -> anyhow::Result<Drain> {
+/// The envelope the anchor hands the guest: Weir's own decode of the
+/// delivery's header table (text values only, which is all the bench sends),
+/// the body moved in.
+fn envelope_of(d: lapin::message::Delivery) -> anyhow::Result<weir::envelope::Envelope> {
+    use lapin::types::AMQPValue;
+    let pairs = d
+        .properties
+        .headers()
+        .as_ref()
+        .into_iter()
+        .flat_map(|t| t.inner().iter())
+        .filter_map(|(k, v)| match v {
+            AMQPValue::LongString(s) => Some((k.as_str(), String::from_utf8_lossy(s.as_bytes()))),
+            _ => None,
+        });
+    let mut env = weir::envelope::decode_pairs(pairs, weir::envelope::fresh_id, None)
+        .context("a bench message did not decode")?;
+    env.payload = d.data;
+    Ok(env)
+}
+
+/// The bare consumer: one channel and consumer per slot queue, no-op handler
+/// (or, with `wasm`, the noop component called inline on the decoded
+/// envelope), `multiple` ack every 128 deliveries and at the end.
+pub async fn bare(
+    url: &str,
+    slots: u32,
+    n: u64,
+    groups: u64,
+    prefetch: u16,
+    wasm: Option<&crate::anchor::Anchor>,
+) -> anyhow::Result<Drain> {
     let topo = crate::drain_topology();
     preload(url, &topo, slots, n, groups).await?;
     let result = async {
@@ -87,14 +118,19 @@ pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u16) -> 
                     FieldTable::default(),
                 )
                 .await?;
+            let mut caller = wasm.map(crate::anchor::Anchor::caller).transpose()?;
             tasks.spawn(async move {
                 let mut got = 0u64;
                 while got < count {
                     let d = consumer.next().await.context("consumer ended")??;
                     got += 1;
-                    std::hint::black_box(&d.data);
+                    let tag = d.delivery_tag;
+                    match &mut caller {
+                        Some(c) => c.call(&envelope_of(d)?)?,
+                        None => drop(std::hint::black_box(d)),
+                    }
                     if got.is_multiple_of(BARE_ACK_EVERY) || got == count {
-                        ch.basic_ack(d.delivery_tag, BasicAckOptions { multiple: true }).await?;
+                        ch.basic_ack(tag, BasicAckOptions { multiple: true }).await?;
                     }
                 }
                 anyhow::Ok(())
@@ -112,7 +148,7 @@ pub async fn bare(url: &str, slots: u32, n: u64, groups: u64, prefetch: u16) -> 
     result
 }
 
-fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batch: Option<u32>) -> Config {
+pub(crate) fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batch: Option<u32>) -> Config {
     let mut handler = config::Handler::new("noop", "bundled:noop", topo, vec![crate::MESSAGE_TYPE.into()]);
     if let Some(size) = batch {
         handler.message_types.clear();
