@@ -1,8 +1,17 @@
 //! `weir deploy` and `weir rollback`: talk to a node's admin listener.
+//!
+//! An upload asks `Expect: 100-continue`, so a node that refuses it before
+//! reading (a bad token, deploys disabled, too large by its declared
+//! length) answers before any byte of the component is sent, and the answer
+//! is read instead of a broken pipe. Every failure says which of three kinds
+//! it is, each with an exit code of its own ([`Failure::exit_code`]).
 
 use std::path::Path;
+use std::time::Duration;
 
-use anyhow::Context as _;
+/// Longest wait for the node's `100 Continue` before the body is sent anyway
+/// (a proxy that does not pass it on).
+const AWAIT_CONTINUE: Duration = Duration::from_secs(10);
 
 /// Where and as whom.
 pub struct Target<'a> {
@@ -14,11 +23,50 @@ pub struct Target<'a> {
     pub handler: &'a str,
 }
 
+/// The kinds of failure, each with its own exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// The node refused who we are: 401, 403, or deploys disabled (exit 2).
+    Auth,
+    /// The node refused what we sent: a bad component, too large, an
+    /// unknown handler or grant (exit 3).
+    Refused,
+    /// No answer, a broken connection, or a node too busy to answer now
+    /// (429, 5xx): worth retrying (exit 4).
+    Transport,
+}
+
+/// A deploy or rollback that did not happen, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    /// Which kind.
+    pub class: Class,
+    /// What to tell the user.
+    pub message: String,
+}
+
+impl Failure {
+    /// The process's exit code for this failure.
+    pub fn exit_code(&self) -> u8 {
+        match self.class {
+            Class::Auth => 2,
+            Class::Refused => 3,
+            Class::Transport => 4,
+        }
+    }
+}
+
+fn fail(class: Class, message: String) -> anyhow::Error {
+    Failure { class, message }.into()
+}
+
 fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         // Keep 4xx/5xx bodies: they say why.
         .http_status_as_error(false)
-        .timeout_global(Some(std::time::Duration::from_secs(300)))
+        .timeout_global(Some(Duration::from_secs(300)))
+        .timeout_await_100(Some(AWAIT_CONTINUE))
         .build()
         .into()
 }
@@ -33,12 +81,41 @@ fn url(t: &Target<'_>, tail: &str) -> String {
     format!("{base}/v1/handlers/{}{tail}", t.handler)
 }
 
+/// A request that got no answer: the listener cannot be reached, or the
+/// connection broke before the node answered.
+fn unanswered(t: &Target<'_>, what: &str, e: &ureq::Error) -> anyhow::Error {
+    let unreachable = match e {
+        ureq::Error::ConnectionFailed | ureq::Error::HostNotFound | ureq::Error::BadUri(_) => true,
+        ureq::Error::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::AddrNotAvailable
+        ),
+        _ => false,
+    };
+    let message = if unreachable {
+        format!(
+            "{what}: cannot reach the admin listener at {}: {e} (is the node running with node.admin set?)",
+            t.admin
+        )
+    } else {
+        format!(
+            "{what}: the connection to {} ended before the node answered: {e}; the node may or may not have \
+             applied it (`curl {}` shows the current version)",
+            t.admin,
+            url(t, "")
+        )
+    };
+    fail(Class::Transport, message)
+}
+
 fn answer(what: &str, resp: ureq::http::Response<ureq::Body>) -> anyhow::Result<serde_json::Value> {
     let status = resp.status();
-    let text = resp
-        .into_body()
-        .read_to_string()
-        .with_context(|| format!("{what}: reading the answer"))?;
+    let text = resp.into_body().read_to_string().map_err(|e| {
+        fail(
+            Class::Transport,
+            format!("{what}: the node answered {status} but its answer could not be read: {e}"),
+        )
+    })?;
     let json: serde_json::Value = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
     if status.is_success() {
         return Ok(json);
@@ -47,7 +124,9 @@ fn answer(what: &str, resp: ureq::http::Response<ureq::Body>) -> anyhow::Result<
         .as_str()
         .map(str::to_owned)
         .unwrap_or_else(|| json.to_string());
+    let disabled = why.starts_with("deploys are disabled");
     let hint = match status.as_u16() {
+        _ if disabled => "",
         401 => " (check --token)",
         403 => " (a tenant token changes only its own tenant's handlers)",
         404 => " (no such handler, or, for a tenant token, another tenant's)",
@@ -56,12 +135,21 @@ fn answer(what: &str, resp: ureq::http::Response<ureq::Body>) -> anyhow::Result<
         429 | 503 => " (the node is busy with other uploads: retry in a few seconds)",
         _ => "",
     };
-    anyhow::bail!("{what} refused with {status}: {why}{hint}; the running version stays")
+    let class = match status.as_u16() {
+        401 | 403 => Class::Auth,
+        429 | 500.. => Class::Transport,
+        _ => Class::Refused,
+    };
+    Err(fail(
+        class,
+        format!("{what} refused with {status}: {why}{hint}; the running version stays"),
+    ))
 }
 
 /// Upload `file` as the handler's new version; prints what happened.
 pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> anyhow::Result<()> {
-    let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let bytes =
+        std::fs::read(file).map_err(|e| fail(Class::Refused, format!("cannot read {}: {e}", file.display())))?;
     let mut query: Vec<String> = env.iter().map(|e| format!("env={}", encode(e))).collect();
     query.extend(dirs.iter().map(|d| format!("dir={}", encode(d))));
     let url = if query.is_empty() {
@@ -70,9 +158,9 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> a
         format!("{}?{}", url(t, ""), query.join("&"))
     };
     eprintln!(
-        "deploying {} ({:.1} KiB) to handler `{}` at {} …",
+        "deploying {} ({}) to handler `{}` at {} …",
         file.display(),
-        bytes.len() as f64 / 1024.0,
+        size(bytes.len()),
         t.handler,
         t.admin
     );
@@ -80,8 +168,9 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> a
         .put(&url)
         .header("Authorization", &format!("Bearer {}", t.token))
         .header("Content-Type", "application/wasm")
+        .header("Expect", "100-continue")
         .send(&bytes[..])
-        .with_context(|| format!("cannot reach the admin listener at {}", t.admin))?;
+        .map_err(|e| unanswered(t, "deploy", &e))?;
     let d = answer("deploy", resp)?;
     if d["swapped"].as_bool() == Some(false) {
         println!("unchanged: `{}` already runs {}", t.handler, short(&d["digest"]));
@@ -104,7 +193,7 @@ pub fn rollback(t: &Target<'_>) -> anyhow::Result<()> {
         .post(&url(t, "/rollback"))
         .header("Authorization", &format!("Bearer {}", t.token))
         .send_empty()
-        .with_context(|| format!("cannot reach the admin listener at {}", t.admin))?;
+        .map_err(|e| unanswered(t, "rollback", &e))?;
     let d = answer("rollback", resp)?;
     println!(
         "rolled back: `{}` now runs {} (was {})",
@@ -113,6 +202,14 @@ pub fn rollback(t: &Target<'_>) -> anyhow::Result<()> {
         short(&d["previous"])
     );
     Ok(())
+}
+
+/// `n` bytes for people: KiB below a MiB, MiB above.
+fn size(n: usize) -> String {
+    match n {
+        n if n < 1 << 20 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{:.1} MiB", n as f64 / (1 << 20) as f64),
+    }
 }
 
 fn short(v: &serde_json::Value) -> String {

@@ -80,7 +80,14 @@ enum Command {
     },
     /// Upload a component as a handler's new version through a node's admin
     /// listener. It is validated first; a refused upload leaves the running
-    /// version serving.
+    /// version serving. Exit codes: 0 deployed, 2 refused for who you are
+    /// (token, deploys disabled), 3 refused for what was sent (not a
+    /// component, too large, unknown handler or grant), 4 no answer or the
+    /// node is busy (worth retrying).
+    #[command(
+        after_help = "Exit codes: 0 deployed or unchanged; 2 auth (401, 403, deploys disabled); \
+        3 refused (400, 404, 408, 413, 422); 4 transport (unreachable, connection lost, 429, 5xx)."
+    )]
     Deploy {
         #[command(flatten)]
         target: AdminTarget,
@@ -93,7 +100,7 @@ enum Command {
         /// The component.
         file: PathBuf,
     },
-    /// Make a handler's previous version current again.
+    /// Make a handler's previous version current again (exit codes as for `deploy`).
     Rollback {
         #[command(flatten)]
         target: AdminTarget,
@@ -164,7 +171,11 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // `weir deploy` / `weir rollback`: one exit code per kind of failure.
+            match e.downcast_ref::<deploy::Failure>() {
+                Some(f) => ExitCode::from(f.exit_code()),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }

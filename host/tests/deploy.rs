@@ -28,7 +28,12 @@ fn faulty() -> Vec<u8> {
 /// Three handlers of the faulty guest: `shop` for tenant acme, `ledger` for
 /// tenant globex, `ops` for any tenant.
 fn config(port: u16, data_dir: Option<&Path>, components_dir: Option<&Path>, tokens: bool) -> Config {
-    let text = format!(
+    config::parse(&config_text(port, data_dir, components_dir, tokens), "<deploy test>").unwrap()
+}
+
+/// [`config`]'s text (components up to 2 MiB).
+fn config_text(port: u16, data_dir: Option<&Path>, components_dir: Option<&Path>, tokens: bool) -> String {
+    format!(
         r#"
 [node]
 name = "deploy-test"
@@ -90,8 +95,7 @@ message_types = ["ok"]
             .map(|d| format!("components_dir = {:?}", d.display().to_string()))
             .unwrap_or_default(),
         faulty = bundled::FAULTY_PATH,
-    );
-    config::parse(&text, "<deploy test>").unwrap()
+    )
 }
 
 async fn start(cfg: &Config, mem: &Arc<MemoryBroker>) -> Node {
@@ -304,8 +308,22 @@ async fn auth_matrix_of_every_route_and_token_kind() {
     assert_eq!(http("GET", port, "/metrics", None, vec![]).await.0, 200);
     assert_eq!(http("GET", port, "/v1/handlers", None, vec![]).await.0, 200);
     let (code, body) = http("PUT", port, "/v1/handlers/shop", None, faulty()).await;
-    assert_eq!(code, 401, "{body}");
-    assert!(body["error"].as_str().unwrap().contains("node.admin_token"), "{body}");
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("deploys are disabled on this node (no admin_token)"),
+        "{body}"
+    );
+    // A token changes nothing there: it is not unknown, there is none to know.
+    let (code, body) = http("PUT", port, "/v1/handlers/shop", Some(ACME), faulty()).await;
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("deploys are disabled"),
+        "{body}"
+    );
+    assert_eq!(http("GET", port, "/v1/handlers", Some(ACME), vec![]).await.0, 200);
     node.shutdown().await.unwrap();
 }
 
@@ -565,4 +583,118 @@ async fn a_failed_data_dir_write_applies_nothing_and_a_redeploy_works() {
     let node = start(&cfg, &mem).await;
     assert_eq!(digest_of(port, "shop").await, digest(&v2));
     node.shutdown().await.unwrap();
+}
+
+/// Issue 18 item 5: every refusal of a 15 MiB upload (the size whose upload
+/// was still running when the node answered, so the CLI used to report a
+/// broken pipe) is reported with the node's status and reason, the file's
+/// real size in a 413, and an exit code per class: 2 auth, 3 refused,
+/// 4 transport. The control shows why `weir deploy` asks
+/// `Expect: 100-continue`: a client that sends the body at once into the
+/// same refusal loses the answer to a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refusal_of_a_15_mib_deploy_is_reported_with_its_class() {
+    const SIZE: usize = 15 << 20;
+    let mem = Arc::new(MemoryBroker::new());
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.wasm");
+    std::fs::write(&junk, vec![7u8; SIZE]).unwrap();
+    let junk = junk.to_str().unwrap().to_owned();
+    let weir = |args: Vec<String>| async move {
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args(&args)
+                .env_remove("WEIR_TOKEN")
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap()
+    };
+    let deploy = |port: u16, token: &str| -> Vec<String> {
+        let admin = format!("http://127.0.0.1:{port}");
+        [
+            "deploy",
+            "--admin",
+            &admin,
+            "--token",
+            token,
+            "--handler",
+            "shop",
+            &junk,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let expect = |out: &std::process::Output, code: i32, needles: &[&str]| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{stderr}");
+        for n in needles {
+            assert!(stderr.contains(n), "wanted {n:?} in: {stderr}");
+        }
+        assert!(
+            !stderr.contains("Broken pipe") && !stderr.contains("reset by peer"),
+            "{stderr}"
+        );
+    };
+
+    // Components up to 2 MiB, tokens configured.
+    let port = free_port();
+    let node = start(&config(port, None, None, true), &mem).await;
+    let out = weir(deploy(port, "not-a-token")).await;
+    expect(
+        &out,
+        2,
+        &["401", "unknown token", "check --token", "running version stays"],
+    );
+    let out = weir(deploy(port, ACME)).await;
+    expect(&out, 3, &["413", &SIZE.to_string(), "max_component_size"]);
+
+    // The control: the same refusal to a client that sends all 48 MiB at
+    // once (as `weir deploy` did) ends in a reset, the answer unread.
+    let raw = tokio::task::spawn_blocking(move || {
+        use std::io::{Read as _, Write as _};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let body = vec![7u8; 48 << 20];
+        let head = format!(
+            "PUT /v1/handlers/shop HTTP/1.1\r\nhost: x\r\nauthorization: Bearer not-a-token\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let sent = s.write_all(head.as_bytes()).and_then(|()| s.write_all(&body));
+        let mut answer = String::new();
+        let read = s.read_to_string(&mut answer);
+        (sent.is_err() || read.is_err(), answer)
+    })
+    .await
+    .unwrap();
+    assert!(
+        raw.0,
+        "control: sending the body into a refusal should break the connection; got {:?}",
+        raw.1
+    );
+    node.shutdown().await.unwrap();
+
+    // Components up to 32 MiB: the node reads it all and refuses what it is.
+    let port = free_port();
+    let text = config_text(port, None, None, true).replace("\"2MiB\"", "\"32MiB\"");
+    let node = start(&config::parse(&text, "<deploy test>").unwrap(), &mem).await;
+    let out = weir(deploy(port, ACME)).await;
+    expect(
+        &out,
+        3,
+        &["400", "not a valid WebAssembly component", "running version stays"],
+    );
+    node.shutdown().await.unwrap();
+
+    // No tokens at all: deploys are disabled, whatever token is shown.
+    let port = free_port();
+    let node = start(&config(port, None, None, false), &mem).await;
+    let out = weir(deploy(port, ACME)).await;
+    expect(&out, 2, &["403", "deploys are disabled on this node (no admin_token)"]);
+    node.shutdown().await.unwrap();
+
+    // Nothing listening: transport.
+    let out = weir(deploy(free_port(), ACME)).await;
+    expect(&out, 4, &["cannot reach the admin listener"]);
 }

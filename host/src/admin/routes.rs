@@ -148,12 +148,17 @@ pub(super) async fn deploy(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
+    // A client that waits for `100 Continue` (`weir deploy` does) is refused
+    // before it sends a byte, so it reads the answer instead of a reset.
+    let expects = headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     let caller = match s.auth.writer(&headers) {
         Ok(c) => c,
-        Err(d) => return refuse(body, &s.limits, d.into_response()).await,
+        Err(d) => return refuse(body, &s.limits, expects, d.into_response()).await,
     };
     if let Err(e) = s.registry.access(&caller, &name) {
-        return refuse(body, &s.limits, deploy_error(e)).await;
+        return refuse(body, &s.limits, expects, deploy_error(e)).await;
     }
     let grants = match parse_grants(query.as_deref()) {
         Ok(g) => g,
@@ -161,6 +166,7 @@ pub(super) async fn deploy(
             return refuse(
                 body,
                 &s.limits,
+                expects,
                 (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
             )
             .await;
@@ -176,11 +182,11 @@ pub(super) async fn deploy(
             size: usize::try_from(n).unwrap_or(usize::MAX),
             max,
         });
-        return refuse(body, &s.limits, too_large).await;
+        return refuse(body, &s.limits, expects, too_large).await;
     }
     let _permit = match s.limits.admit(&caller) {
         Ok(p) => p,
-        Err(busy) => return refuse(body, &s.limits, *busy).await,
+        Err(busy) => return refuse(body, &s.limits, expects, *busy).await,
     };
     let spooled = match spool(body, &s.limits).await {
         Ok(f) => f,

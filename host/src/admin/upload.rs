@@ -46,7 +46,19 @@ const DRAIN_TIME: Duration = Duration::from_secs(2);
 /// client that sends a small body before it reads sees the answer, not a
 /// reset; what is left of a larger or slower body is not read (the
 /// connection closes).
-pub(super) async fn refuse(body: axum::body::Body, limits: &Limits, response: Response) -> Response {
+///
+/// A request that asked `Expect: 100-continue` has sent no body yet and
+/// will not until told to: it is answered at once, its body never asked
+/// for (reading it would send the `100 Continue`), and the connection closes.
+pub(super) async fn refuse(
+    body: axum::body::Body,
+    limits: &Limits,
+    expects_continue: bool,
+    response: Response,
+) -> Response {
+    if expects_continue {
+        return closing(response);
+    }
     let mut stream = body.into_data_stream();
     let deadline = tokio::time::Instant::now() + DRAIN_TIME.min(limits.idle_timeout);
     let mut seen = 0usize;
@@ -114,7 +126,8 @@ pub(super) async fn spool(body: axum::body::Body, limits: &Limits) -> Result<Spo
                 size: spooled.size,
                 max: limits.max_upload,
             });
-            return Err(refuse(axum::body::Body::new(stream), limits, too_large).await);
+            // The body is being read, so any `100 Continue` has gone out.
+            return Err(refuse(axum::body::Body::new(stream), limits, false, too_large).await);
         }
         if let Err(e) = file.write_all(&chunk).await {
             return Err(store_error(e, &spooled.path));
