@@ -378,9 +378,26 @@ async fn fault_scenario(kind: &str, reason: Reason, error_starts: &str) -> (Vec<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trap_is_retried_then_dead_lettered_while_others_are_served() {
     let (calls, _, dl) = fault_scenario("trap", Reason::Trap, "handler trapped").await;
-    // The guest's panic message travels into the dead letter's error text.
+    // The guest's panic message travels into the dead letter's error text,
+    // first (issue 18 item 7): where it panicked and why, then the trap, then
+    // the guest's own frames, without Rust's RUST_BACKTRACE advice.
     let error = dl.header("weir-error").unwrap_or_default();
-    assert!(error.contains("trap requested by test"), "{error}");
+    let after = error.split_once(": ").map_or("", |(_, rest)| rest);
+    assert!(
+        after.starts_with("panicked at ") && after.contains("faulty/src/lib.rs:"),
+        "{error}"
+    );
+    let (panic, rest) = after.split_once(" [").unwrap_or_default();
+    assert!(panic.ends_with(": trap requested by test"), "{error}");
+    assert!(rest.starts_with("wasm trap"), "{error}");
+    assert!(
+        !error.contains("RUST_BACKTRACE") && !error.contains("__rust"),
+        "{error}"
+    );
+    assert!(
+        error.contains("\nwasm backtrace: <weir_test_faulty::Faulty as weir_guest::Handler>::handle <- "),
+        "{error}"
+    );
     assert!(
         calls.iter().all(|c| c.duration() < TIMEOUT),
         "a trap ends the call at once"

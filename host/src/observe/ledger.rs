@@ -114,7 +114,7 @@ impl CallObserver for Ledger {
             let mut claims = self.claims.lock();
             if claims.contains_key(&group) {
                 self.overlaps.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(group = msg.group(), tenant = msg.tenant_id.as_deref(), message = %msg.id, "ledger: two calls of one group at once");
+                tracing::error!(group = msg.group(), tenant = msg.tenant_id.as_deref(), message_id = %msg.id, "ledger: two calls of one group at once");
             } else {
                 claims.insert(group.clone(), std::thread::current().id());
             }
@@ -135,7 +135,7 @@ impl CallObserver for Ledger {
             .any(|m| m.group() != first.group() || m.tenant_id != first.tenant_id)
         {
             self.mixed_batches.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(message = %first.id, "ledger: a batch mixes tenants or groups");
+            tracing::error!(message_id = %first.id, "ledger: a batch mixes tenants or groups");
         }
         self.before(first);
         if let Some(group) = lane_of(first) {

@@ -206,7 +206,7 @@ impl Executor {
             counters.log_bytes_dropped.fetch_add(bytes, Ordering::Relaxed);
             tracing::warn!(
                 handler = data.settings.name.as_str(),
-                message = data.call.message_id.as_str(),
+                message_id = data.call.message_id.as_str(),
                 dropped_lines = lines,
                 dropped_bytes = bytes,
                 log_bytes = data.budgets.log_bytes,
@@ -228,6 +228,8 @@ impl Executor {
     }
 
     fn fault(inst: &mut Instance, err: wasmtime::Error) -> Fault {
+        /// The guest output a trap's text looks through for a panic message.
+        const LAST_OUTPUT: usize = 2048;
         let data = inst.store.data_mut();
         let memory = data.take_memory_denied();
         let kind = match (data.interrupted.take(), memory) {
@@ -246,23 +248,22 @@ impl Executor {
                 "ran out of fuel (limit {} per call)",
                 data.settings.fuel.unwrap_or(u64::MAX)
             ),
-            // The cause on the first line (what survives a cut), the backtrace after.
-            _ => err
-                .root_cause()
-                .to_string()
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .to_owned(),
+            // The panic message first (what survives a cut), then the trap, then
+            // the guest's own frames.
+            _ => {
+                let cause = err.root_cause().to_string();
+                let cause = cause.lines().next().unwrap_or_default();
+                let output = data.stdio.as_ref().and_then(|t| t.last_output(LAST_OUTPUT));
+                super::trap_text::trap_text(cause, output.as_deref(), &format!("{err:#}"))
+            }
         };
         // The guest's last words (a panic message) say more than the trap.
-        if let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(512)) {
+        if (matches!(kind, FaultKind::Timeout | FaultKind::MemoryLimit | FaultKind::Cancelled)
+            || matches!(err.downcast_ref::<Trap>(), Some(Trap::StackOverflow | Trap::OutOfFuel)))
+            && let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(512))
+        {
             detail.push_str("; guest output: ");
             detail.push_str(&words);
-        }
-        if kind == FaultKind::Trap && err.downcast_ref::<Trap>().is_none_or(|t| *t != Trap::StackOverflow) {
-            detail.push('\n');
-            detail.push_str(&format!("{err:#}"));
         }
         let budget = data.budgets.error_bytes;
         if detail.len() > budget {

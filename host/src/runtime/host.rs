@@ -218,13 +218,16 @@ impl Host for HostState {
             text.push_str(&format!(" [cut by weir: {len} bytes]"));
         }
         let handler = self.settings.name.as_str();
-        let message = self.call.message_id.as_str();
+        // Labelled fields (`handler=… message_id=…`): a field called
+        // `message` would be taken for the line itself.
+        let message_id = self.call.message_id.as_str();
+        let tenant = self.call.tenant_id.as_deref().unwrap_or("");
         match level {
-            Level::Trace => tracing::trace!(handler, message, "{text}"),
-            Level::Debug => tracing::debug!(handler, message, "{text}"),
-            Level::Info => tracing::info!(handler, message, "{text}"),
-            Level::Warn => tracing::warn!(handler, message, "{text}"),
-            Level::Error => tracing::error!(handler, message, "{text}"),
+            Level::Trace => tracing::trace!(target: "weir::guest", handler, message_id, tenant, "{text}"),
+            Level::Debug => tracing::debug!(target: "weir::guest", handler, message_id, tenant, "{text}"),
+            Level::Info => tracing::info!(target: "weir::guest", handler, message_id, tenant, "{text}"),
+            Level::Warn => tracing::warn!(target: "weir::guest", handler, message_id, tenant, "{text}"),
+            Level::Error => tracing::error!(target: "weir::guest", handler, message_id, tenant, "{text}"),
         }
         Ok(())
     }

@@ -11,7 +11,8 @@
 //! [`Runtime`]: engine, linker, epoch ticker, loading), [`call`] (what a call returns),
 //! [`instance`] (an instance and a worker's cache of them), [`interrupt`] (a runner's calls,
 //! interrupted together), [`executor`] (calls on a worker thread), [`pool`] (the worker threads),
-//! `host` and [`stdio`] (the host imports), [`grants`] (pinned directories),
+//! `host` and [`stdio`] (the host imports), [`trap_text`] (what a trap's error says),
+//! [`grants`] (pinned directories),
 //! [`bundled`] (the guests shipped in the binary).
 
 mod blocking;
@@ -27,6 +28,7 @@ pub mod options;
 pub mod pool;
 pub mod settings;
 pub mod stdio;
+pub mod trap_text;
 pub mod version;
 
 /// The generated bindings, where they were before they moved to [`crate::bindings`].

@@ -46,6 +46,16 @@ impl TailPipe {
         self.buffer.lock().clear();
     }
 
+    /// The last `max` bytes of what the guest wrote, as it wrote them
+    /// (lines intact, lossy UTF-8); `None` when it wrote nothing.
+    pub fn last_output(&self, max: usize) -> Option<String> {
+        let mut b = self.buffer.lock();
+        let bytes = b.make_contiguous();
+        let tail = &bytes[bytes.len().saturating_sub(max)..];
+        let text = String::from_utf8_lossy(tail).into_owned();
+        (!text.trim().is_empty()).then_some(text)
+    }
+
     /// The last non-empty lines written, joined with " | ", at most `max` chars.
     pub fn last_words(&self, max: usize) -> Option<String> {
         let mut b = self.buffer.lock();

@@ -101,7 +101,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
         } => (reason, Reason::Exhausted),
         CallOutcome::Fault(f) => {
             cx.sink.stats.faults.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(handler = handler.name(), message = %env.id, attempt = env.attempt, fault = %f, "guest fault");
+            tracing::warn!(handler = handler.name(), message_id = %env.id, attempt = env.attempt, fault = %f, "guest fault");
             match f.kind {
                 FaultKind::Cancelled if cancel_fails() => (f.to_string(), Reason::Timeout),
                 FaultKind::Cancelled => {
@@ -119,7 +119,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
         Step::RetryAfter(delay) => {
             let mut next = env;
             next.attempt += 1;
-            tracing::debug!(handler = handler.name(), message = %next.id, next_attempt = next.attempt, ?delay, error, "retry scheduled");
+            tracing::debug!(handler = handler.name(), message_id = %next.id, next_attempt = next.attempt, ?delay, error, "retry scheduled");
             match acker.settle(Disposition::Retry { envelope: next, delay }).await {
                 Ok(()) => Outcome::RetryScheduled,
                 Err(e) => {
