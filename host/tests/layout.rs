@@ -570,3 +570,16 @@ fn the_cycle_check_sees_a_cycle() {
         ["crate::a::b", "crate::a::c::d", "crate::a::c::e"]
     );
 }
+
+/// The guest SDK binds its own copy of the contract (so `cargo package -p
+/// weir-guest` and `weir new` projects carry it): it must be the contract.
+#[test]
+fn the_guest_sdk_binds_the_same_wit_as_the_host() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let host = std::fs::read_to_string(root.join("wit/handler.wit")).unwrap();
+    let sdk = std::fs::read_to_string(root.join("guest-sdk/wit/handler.wit")).unwrap();
+    assert!(
+        host == sdk,
+        "guest-sdk/wit/handler.wit differs from wit/handler.wit: copy wit/handler.wit over it"
+    );
+}
