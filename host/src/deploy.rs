@@ -158,7 +158,8 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> a
         format!("{}?{}", url(t, ""), query.join("&"))
     };
     eprintln!(
-        "deploying {} ({}) to handler `{}` at {} …",
+        "deploying {} ({}) to handler `{}` at {} (the node validates and compiles it first; \
+         a large component takes a while) …",
         file.display(),
         size(bytes.len()),
         t.handler,
@@ -175,8 +176,12 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> a
     if d["swapped"].as_bool() == Some(false) {
         println!("unchanged: `{}` already runs {}", t.handler, short(&d["digest"]));
     } else {
+        let compiled = match d["compiled_ms"].as_u64() {
+            Some(ms) => format!("compiled in {:.1} s, ", ms as f64 / 1e3),
+            None => "compiled code from the node's cache, ".to_owned(),
+        };
         println!(
-            "deployed: `{}` now runs {} (was {}), validated and swapped in {} ms; kept in {}",
+            "deployed: `{}` now runs {} (was {}), validated and swapped in {} ms ({compiled}kept in {})",
             t.handler,
             short(&d["digest"]),
             short(&d["previous"]),

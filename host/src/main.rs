@@ -13,8 +13,10 @@ use weir::demo::{self, DemoOptions};
 use weir::node::{self, Node, NodeOptions};
 use weir::observe::journal::{self, Journal};
 
+mod call;
 mod deploy;
 mod publish;
+mod scaffold;
 
 /// Weir: message handlers in WebAssembly, one host per node.
 #[derive(Parser)]
@@ -100,6 +102,64 @@ enum Command {
         /// The component.
         file: PathBuf,
     },
+    /// Run a handler component once per message, with no broker, under the
+    /// limits a node gives it, and print the outcome (ok, retry, reject or a
+    /// fault), every cascade it published, its log lines and the time taken.
+    /// Exit 0 when every message answered ok, 1 otherwise.
+    Call {
+        /// The component (`.wasm`).
+        component: PathBuf,
+        /// The message type.
+        #[arg(long = "type")]
+        message_type: String,
+        /// The group id.
+        #[arg(long)]
+        group: Option<String>,
+        /// The tenant id.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The payload: text, or `@FILE` for a file's bytes.
+        #[arg(long, conflicts_with = "each")]
+        payload: Option<String>,
+        /// One message per non-empty line of this file (JSONL), the line as its payload.
+        #[arg(long)]
+        each: Option<PathBuf>,
+        /// A header, `NAME=VALUE` (repeatable).
+        #[arg(long = "header", value_parser = call::pair)]
+        headers: Vec<(String, String)>,
+        /// A key of the handler's config table, `KEY=VALUE` (repeatable).
+        #[arg(long = "config", value_parser = call::pair)]
+        config: Vec<(String, String)>,
+        /// Deliver all the messages in one `handle-batch` call.
+        #[arg(long)]
+        batch: bool,
+        /// The call's timeout (limits.timeout), e.g. `2s`.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        timeout: Option<std::time::Duration>,
+    },
+    /// Make a handler project in `./NAME` from a template in this binary: the
+    /// handler (decodes JSON, publishes a cascade, rejects bad input), a unit
+    /// test, the WIT and SDK it needs, a README.
+    New {
+        /// The language.
+        #[arg(value_enum)]
+        lang: scaffold::Lang,
+        /// The project, crate, component and handler name.
+        name: String,
+        /// Make it in this directory instead of the current one.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Build the handler project here (or in `--dir`) into `NAME.wasm`, with
+    /// the language's toolchain; prints the component's path, size and digest.
+    Build {
+        /// The project directory.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// Use only crates already downloaded (cargo --offline).
+        #[arg(long)]
+        offline: bool,
+    },
     /// Make a handler's previous version current again (exit codes as for `deploy`).
     Rollback {
         #[command(flatten)]
@@ -160,14 +220,39 @@ fn main() -> ExitCode {
         Command::Demo { .. } => "warn",
         _ => "warn,weir=info",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match run(cli) {
+    let guest_log = call::GuestLog::default();
+    // Colour only for a person at a terminal, and never with NO_COLOR set.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
+    if matches!(cli.command, Command::Call { .. }) {
+        // `weir call` prints the guest's log lines with the call they belong
+        // to; the rest of the log goes to stderr as usual.
+        use tracing_subscriber::Layer as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(colour)
+            .with_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("warn,weir::runtime::engine=info,weir::guest=off")
+                }),
+            );
+        let guest = tracing_subscriber::Layer::with_filter(
+            guest_log.clone(),
+            tracing_subscriber::filter::Targets::new().with_target("weir::guest", tracing::Level::TRACE),
+        );
+        tracing_subscriber::registry().with(fmt).with(guest).init();
+    } else {
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
+            )
+            .with_writer(std::io::stderr)
+            .with_ansi(colour)
+            .init();
+    }
+    match run(cli, &guest_log) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -184,7 +269,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     node::async_runtime().context("starting the async runtime")
 }
 
-fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo { groups, per_group } => {
             let opts = DemoOptions {
@@ -262,6 +347,39 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             file,
         } => {
             deploy::deploy(&target.as_target(), &file, &grant_env, &grant_dir)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Call {
+            component,
+            message_type,
+            group,
+            tenant,
+            payload,
+            each,
+            headers,
+            config,
+            batch,
+            timeout,
+        } => {
+            let req = call::Request {
+                component,
+                message_type,
+                group,
+                tenant,
+                headers,
+                payloads: call::payloads(payload.as_deref(), each.as_deref())?,
+                config: config.into_iter().collect(),
+                batch,
+                timeout,
+            };
+            call::run(req, guest_log)
+        }
+        Command::New { lang, name, dir } => {
+            scaffold::new(lang, &name, &dir)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Build { dir, offline } => {
+            scaffold::build(&dir, offline)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Rollback { target } => {

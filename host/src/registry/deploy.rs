@@ -125,12 +125,16 @@ impl Registry {
                 swapped: false,
                 kept_in: self.store.label(),
                 took_ms: elapsed_ms(started),
+                compiled_ms: None,
             });
         }
         let origin = format!("upload for handler `{name}` ({} bytes)", bytes.len());
         let version = self
             .compile(name, &bytes, &grants, &origin, Priority::Background)
             .await?;
+        let compiled_ms = version
+            .compiled_in
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         self.commit(name, version, &bytes, &grants, source, current.as_ref().map(|c| c.seq))
             .await?;
         Ok(Deployed {
@@ -140,6 +144,7 @@ impl Registry {
             swapped: true,
             kept_in: self.store.label(),
             took_ms: elapsed_ms(started),
+            compiled_ms,
         })
     }
 
@@ -196,6 +201,9 @@ impl Registry {
                 .await
                 .unwrap_or_else(|_| Arc::from(Vec::new())),
         };
+        let compiled_ms = version
+            .compiled_in
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         self.commit(name, version, &bytes, &target.grants, "rollback", target.previous)
             .await?;
         Ok(Deployed {
@@ -205,6 +213,7 @@ impl Registry {
             swapped: true,
             kept_in: self.store.label(),
             took_ms: elapsed_ms(started),
+            compiled_ms,
         })
     }
 

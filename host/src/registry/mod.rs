@@ -53,7 +53,7 @@ use crate::runtime::{self, HandlerSettings, HandlerVersion, Runtime};
 use settings::{base_settings, config_grants, tenant_shares};
 use store::{DirHistory, Store, pg, write_component, write_dir_history};
 
-pub use settings::component_bytes;
+pub use settings::{component_bytes, handler_settings};
 
 /// Previously active versions kept compiled per handler, for instant rollbacks.
 const KEEP_COMPILED: usize = 3;

@@ -43,6 +43,13 @@ pub(super) fn tenant_log_rate(t: &config::Tenant) -> Option<Arc<runtime::stdio::
     )))
 }
 
+/// The settings a node runs `h` with (limits capped by its tenant's,
+/// budgets, config table, WASI switches), without grants: what
+/// `weir call` runs a component with.
+pub fn handler_settings(h: &config::Handler, config: &Config) -> HandlerSettings {
+    base_settings(h, config, &tenant_shares(config))
+}
+
 /// The runtime settings of a configured handler, without grants: limits
 /// (capped by its tenant's), config table, admission shared by its versions.
 pub(super) fn base_settings(

@@ -118,6 +118,9 @@ pub struct Deployed {
     pub kept_in: &'static str,
     /// Milliseconds from receiving the request to the swap (validation and compilation).
     pub took_ms: u64,
+    /// Milliseconds spent compiling the component; `null` when it was not
+    /// compiled (the compiled-code cache had it, or nothing was swapped).
+    pub compiled_ms: Option<u64>,
 }
 
 /// A handler as `GET /v1/handlers` shows it.

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use sha2::Digest as _;
@@ -17,6 +18,44 @@ use super::settings::HandlerSettings;
 use super::version::{HandlerVersion, NEXT_VERSION, Pre};
 use crate::bindings::{Handler, HandlerPre, v0_1};
 use crate::observe::CallObserver;
+
+/// A compile in progress: a line when it starts (a large component takes
+/// seconds, Python and JavaScript ones a minute on a busy machine) and one
+/// with its time when it ends.
+struct Compiling<'a> {
+    origin: &'a str,
+    started: std::time::Instant,
+}
+
+impl<'a> Compiling<'a> {
+    fn start(origin: &'a str, size: usize, cached: bool) -> Self {
+        let size = match size {
+            n if n < 1 << 20 => format!("{:.1} KiB", n as f64 / 1024.0),
+            n => format!("{:.1} MiB", n as f64 / (1 << 20) as f64),
+        };
+        if cached {
+            tracing::info!(component = origin, "compiling {origin} ({size}); cached after this");
+        } else {
+            tracing::info!(component = origin, "compiling {origin} ({size})");
+        }
+        Self {
+            origin,
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for Compiling<'_> {
+    fn drop(&mut self) {
+        let secs = self.started.elapsed().as_secs_f64();
+        tracing::info!(
+            component = self.origin,
+            seconds = secs,
+            "compiled {} in {secs:.1} s",
+            self.origin
+        );
+    }
+}
 
 /// Longest compile error kept in a refused load's answer.
 const LOAD_ERROR_BYTES: usize = 2048;
@@ -162,7 +201,7 @@ impl Runtime {
         }
         // The parser's error may quote the upload (a text module, a run of
         // zeros): cut it, so a bad upload's answer and log line stay small.
-        let component = self.compile(bytes, &digest).map_err(|e| {
+        let (component, compiled_in) = self.compile(bytes, &digest, origin).map_err(|e| {
             let mut why = format!("{e:#}");
             cut_text(&mut why, LOAD_ERROR_BYTES);
             anyhow::anyhow!("{origin} is not a valid WebAssembly component: {why}")
@@ -194,6 +233,7 @@ impl Runtime {
             id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
             digest,
             size: bytes.len(),
+            compiled_in,
             settings: Arc::new(settings),
             pre,
             retired: AtomicBool::new(false),
@@ -206,9 +246,12 @@ impl Runtime {
         Ok(Arc::new(version))
     }
 
-    fn compile(&self, bytes: &[u8], digest: &str) -> anyhow::Result<Component> {
+    /// The component, and how long compiling it took (`None`: from the cache).
+    fn compile(&self, bytes: &[u8], digest: &str, origin: &str) -> anyhow::Result<(Component, Option<Duration>)> {
         let Some(dir) = &self.options.cache_dir else {
-            return Component::new(&self.engine, bytes).map_err(anyhow::Error::from);
+            let compiling = Compiling::start(origin, bytes.len(), false);
+            let c = Component::new(&self.engine, bytes).map_err(anyhow::Error::from)?;
+            return Ok((c, Some(compiling.started.elapsed())));
         };
         let mut hasher = std::hash::DefaultHasher::new();
         std::hash::Hash::hash(&self.engine.precompile_compatibility_hash(), &mut hasher);
@@ -219,18 +262,22 @@ impl Runtime {
             // engine with the same compatibility hash, into the node's own
             // data directory, under the digest of the bytes being loaded.
             match unsafe { Component::deserialize_file(&self.engine, &path) } {
-                Ok(c) => return Ok(c),
+                Ok(c) => return Ok((c, None)),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "ignoring unusable compiled-code cache entry")
                 }
             }
         }
+        let compiling = Compiling::start(origin, bytes.len(), true);
         let code = self.engine.precompile_component(bytes).map_err(anyhow::Error::from)?;
+        let took = compiling.started.elapsed();
+        drop(compiling);
         std::fs::create_dir_all(dir).with_context(|| format!("creating cache dir {}", dir.display()))?;
         let tmp = path.with_extension(format!("{}.tmp", uuid::Uuid::new_v4()));
         std::fs::write(&tmp, &code).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
         // SAFETY: just produced by this engine's `precompile_component`.
-        Ok(unsafe { Component::deserialize(&self.engine, &code).map_err(anyhow::Error::from)? })
+        let c = unsafe { Component::deserialize(&self.engine, &code).map_err(anyhow::Error::from)? };
+        Ok((c, Some(took)))
     }
 }

@@ -26,6 +26,8 @@ pub struct HandlerVersion {
     pub digest: String,
     /// Size of the component in bytes.
     pub size: usize,
+    /// How long compiling it took; `None` when it came from the compiled-code cache.
+    pub compiled_in: Option<std::time::Duration>,
     /// The handler's settings.
     pub settings: Arc<HandlerSettings>,
     /// Admission for calls of this version, `max_instances` permits.
@@ -104,6 +106,7 @@ impl HandlerVersion {
             id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
             digest: self.digest.clone(),
             size: self.size,
+            compiled_in: None,
             settings: self.settings.clone(),
             permits: self.permits.clone(),
             pre: self.pre.clone(),
