@@ -109,6 +109,19 @@ async fn start(cfg: &Config, mem: &Arc<MemoryBroker>) -> Node {
     node
 }
 
+/// `weir ARGS` (without `WEIR_TOKEN` from the environment), off the test's async threads.
+async fn weir(args: Vec<String>) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(&args)
+            .env_remove("WEIR_TOKEN")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 /// The admin client is blocking: run it off the test's async threads.
 async fn http(
     method: &'static str,
@@ -486,17 +499,6 @@ async fn the_cli_deploys_and_rolls_back_and_says_why_when_refused() {
     let bad = dir.path().join("bad.wasm");
     std::fs::write(&bad, b"nope").unwrap();
     let admin = format!("http://127.0.0.1:{port}");
-    let weir = |args: Vec<String>| async move {
-        tokio::task::spawn_blocking(move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-                .args(&args)
-                .env_remove("WEIR_TOKEN")
-                .output()
-                .unwrap()
-        })
-        .await
-        .unwrap()
-    };
     let args = |token: &str, rest: &[&str]| -> Vec<String> {
         ["--admin", admin.as_str(), "--token", token, "--handler", "shop"]
             .iter()
@@ -600,17 +602,6 @@ async fn every_refusal_of_a_15_mib_deploy_is_reported_with_its_class() {
     let junk = dir.path().join("junk.wasm");
     std::fs::write(&junk, vec![7u8; SIZE]).unwrap();
     let junk = junk.to_str().unwrap().to_owned();
-    let weir = |args: Vec<String>| async move {
-        tokio::task::spawn_blocking(move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-                .args(&args)
-                .env_remove("WEIR_TOKEN")
-                .output()
-                .unwrap()
-        })
-        .await
-        .unwrap()
-    };
     let deploy = |port: u16, token: &str| -> Vec<String> {
         let admin = format!("http://127.0.0.1:{port}");
         [

@@ -21,6 +21,16 @@ use weir::transport::memory::MemoryBroker;
 
 const TOKEN: &str = "devloop-operator-token";
 
+/// `cargo ARGS` in `dir`, building in `target` under the test scratch directory.
+fn cargo(dir: &Path, args: &[&str], target: &str) -> Output {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(args)
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", Path::new(env!("CARGO_TARGET_TMPDIR")).join(target))
+        .output()
+        .unwrap()
+}
+
 /// `weir ARGS` in `dir`, with a target directory kept across runs (the first
 /// build compiles serde and wit-bindgen for wasm32).
 fn weir(dir: &Path, args: &[&str]) -> Output {
@@ -75,15 +85,7 @@ async fn a_rust_handler_from_an_empty_folder_to_a_running_node() {
     );
 
     // The template's own unit tests, natively.
-    let tests = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["test", "--offline", "--quiet"])
-        .current_dir(&project)
-        .env(
-            "CARGO_TARGET_DIR",
-            Path::new(env!("CARGO_TARGET_TMPDIR")).join("devloop-target"),
-        )
-        .output()
-        .unwrap();
+    let tests = cargo(&project, &["test", "--offline", "--quiet"], "devloop-target");
     assert!(tests.status.success(), "{}", text(&tests));
 
     let out = weir(&project, &["build", "--offline"]);
@@ -244,14 +246,11 @@ message_types = ["greeting"]
 /// crate): `cargo package` builds it from the packaged files alone.
 #[test]
 fn the_guest_sdk_packages_on_its_own() {
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["package", "-p", "weir-guest", "--offline", "--allow-dirty", "--quiet"])
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .env(
-            "CARGO_TARGET_DIR",
-            Path::new(env!("CARGO_TARGET_TMPDIR")).join("package-target"),
-        )
-        .output()
-        .unwrap();
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let out = cargo(
+        root,
+        &["package", "-p", "weir-guest", "--offline", "--allow-dirty", "--quiet"],
+        "package-target",
+    );
     assert!(out.status.success(), "{}", text(&out));
 }

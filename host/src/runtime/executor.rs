@@ -230,6 +230,8 @@ impl Executor {
     fn fault(inst: &mut Instance, err: wasmtime::Error) -> Fault {
         /// The guest output a trap's text looks through for a panic message.
         const LAST_OUTPUT: usize = 2048;
+        /// The guest's last lines kept beside a fault's cause.
+        const LAST_WORDS: usize = 512;
         let data = inst.store.data_mut();
         let memory = data.take_memory_denied();
         let kind = match (data.interrupted.take(), memory) {
@@ -253,14 +255,16 @@ impl Executor {
             _ => {
                 let cause = err.root_cause().to_string();
                 let cause = cause.lines().next().unwrap_or_default();
-                let output = data.stdio.as_ref().and_then(|t| t.last_output(LAST_OUTPUT));
-                super::trap_text::trap_text(cause, output.as_deref(), &format!("{err:#}"))
+                let stdio = data.stdio.as_ref();
+                let output = stdio.and_then(|t| t.last_output(LAST_OUTPUT));
+                let words = stdio.and_then(|t| t.last_words(LAST_WORDS));
+                super::trap_text::trap_text(cause, output.as_deref(), words.as_deref(), &format!("{err:#}"))
             }
         };
         // The guest's last words (a panic message) say more than the trap.
         if (matches!(kind, FaultKind::Timeout | FaultKind::MemoryLimit | FaultKind::Cancelled)
             || matches!(err.downcast_ref::<Trap>(), Some(Trap::StackOverflow | Trap::OutOfFuel)))
-            && let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(512))
+            && let Some(words) = data.stdio.as_ref().and_then(|t| t.last_words(LAST_WORDS))
         {
             detail.push_str("; guest output: ");
             detail.push_str(&words);

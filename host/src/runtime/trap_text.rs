@@ -96,14 +96,20 @@ pub fn guest_frames(error: &str) -> (Vec<String>, usize) {
 
 /// The whole text: `panic` (or `cause` when the guest said nothing), the
 /// trap's cause in brackets, and the trimmed backtrace.
-pub fn trap_text(cause: &str, output: Option<&str>, error: &str) -> String {
+///
+/// `output` is the guest's last output as written (looked through for the
+/// panic); `words`, its last lines joined on one line ([`TailPipe::last_words`]),
+/// is what stands after the cause when there is no panic.
+///
+/// [`TailPipe::last_words`]: super::stdio::TailPipe::last_words
+pub fn trap_text(cause: &str, output: Option<&str>, words: Option<&str>, error: &str) -> String {
     let panic = output.and_then(panic_message);
     let mut text = match &panic {
         Some(p) => format!("{p} [{cause}]"),
         None => cause.to_owned(),
     };
     if panic.is_none()
-        && let Some(words) = output.filter(|w| !w.is_empty())
+        && let Some(words) = words.filter(|w| !w.is_empty())
     {
         text.push_str("; guest output: ");
         text.push_str(words);
@@ -132,6 +138,7 @@ mod tests {
         let text = trap_text(
             "wasm trap: wasm `unreachable` instruction executed",
             Some(OUTPUT),
+            Some("the joined lines, unused when there is a panic"),
             ERROR,
         );
         assert!(
@@ -152,7 +159,12 @@ mod tests {
 
     #[test]
     fn without_a_panic_the_cause_and_output_stay() {
-        let text = trap_text("wasm trap: out of bounds memory access", Some("half a line"), ERROR);
+        let text = trap_text(
+            "wasm trap: out of bounds memory access",
+            Some("half a line\n"),
+            Some("half a line"),
+            ERROR,
+        );
         assert!(
             text.starts_with("wasm trap: out of bounds memory access; guest output: half a line"),
             "{text}"
