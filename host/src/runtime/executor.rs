@@ -258,7 +258,22 @@ impl Executor {
                 let stdio = data.stdio.as_ref();
                 let output = stdio.and_then(|t| t.last_output(LAST_OUTPUT));
                 let words = stdio.and_then(|t| t.last_words(LAST_WORDS));
-                super::trap_text::trap_text(cause, output.as_deref(), words.as_deref(), &format!("{err:#}"))
+                // What the words show is cut when the pipe dropped the start of
+                // the output, or the words reached their own cap.
+                let cut_from = stdio
+                    .filter(|t| t.written() > t.held() || words.as_ref().is_some_and(|w| w.len() >= LAST_WORDS))
+                    .map(super::stdio::TailPipe::written);
+                let (text, cut) = super::trap_text::trap_text(
+                    cause,
+                    output.as_deref(),
+                    words.as_deref(),
+                    cut_from,
+                    &format!("{err:#}"),
+                );
+                if cut {
+                    data.settings.budget.errors_cut.fetch_add(1, Ordering::Relaxed);
+                }
+                text
             }
         };
         // The guest's last words (a panic message) say more than the trap.

@@ -21,6 +21,8 @@ use wasmtime_wasi::p2::{OutputStream, Pollable, StreamError};
 pub struct TailPipe {
     capacity: usize,
     buffer: Arc<Mutex<VecDeque<u8>>>,
+    /// Bytes written since the last [`TailPipe::clear`], kept or not.
+    written: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl TailPipe {
@@ -29,10 +31,13 @@ impl TailPipe {
         Self {
             capacity: capacity.max(1),
             buffer: Arc::new(Mutex::new(VecDeque::new())),
+            written: Arc::default(),
         }
     }
 
     fn push(&self, bytes: &[u8]) {
+        self.written
+            .fetch_add(bytes.len(), std::sync::atomic::Ordering::Relaxed);
         let mut b = self.buffer.lock();
         let bytes = &bytes[bytes.len().saturating_sub(self.capacity)..];
         let overflow = (b.len() + bytes.len()).saturating_sub(self.capacity);
@@ -44,6 +49,17 @@ impl TailPipe {
     /// Forget what was written (at the start of each call).
     pub fn clear(&self) {
         self.buffer.lock().clear();
+        self.written.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes held now (the last of what was written, at most the capacity).
+    pub fn held(&self) -> usize {
+        self.buffer.lock().len()
+    }
+
+    /// Bytes written since the last [`TailPipe::clear`], including those no longer kept.
+    pub fn written(&self) -> usize {
+        self.written.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The last `max` bytes of what the guest wrote, as it wrote them

@@ -95,15 +95,25 @@ pub fn guest_frames(error: &str) -> (Vec<String>, usize) {
 }
 
 /// The whole text: `panic` (or `cause` when the guest said nothing), the
-/// trap's cause in brackets, and the trimmed backtrace.
+/// trap's cause in brackets, and the trimmed backtrace; and whether the
+/// guest output it quotes was cut.
 ///
 /// `output` is the guest's last output as written (looked through for the
 /// panic); `words`, its last lines joined on one line ([`TailPipe::last_words`]),
-/// is what stands after the cause when there is no panic.
+/// is what stands after the cause when there is no panic, marked as cut when
+/// `cut_from` gives how many bytes the guest wrote in all (more than the
+/// words show).
 ///
 /// [`TailPipe::last_words`]: super::stdio::TailPipe::last_words
-pub fn trap_text(cause: &str, output: Option<&str>, words: Option<&str>, error: &str) -> String {
+pub fn trap_text(
+    cause: &str,
+    output: Option<&str>,
+    words: Option<&str>,
+    cut_from: Option<usize>,
+    error: &str,
+) -> (String, bool) {
     let panic = output.and_then(panic_message);
+    let mut cut = false;
     let mut text = match &panic {
         Some(p) => format!("{p} [{cause}]"),
         None => cause.to_owned(),
@@ -113,6 +123,12 @@ pub fn trap_text(cause: &str, output: Option<&str>, words: Option<&str>, error: 
     {
         text.push_str("; guest output: ");
         text.push_str(words);
+        if let Some(written) = cut_from {
+            cut = true;
+            text.push_str(&format!(
+                " [cut by weir: {written} bytes of guest output, the last lines shown]"
+            ));
+        }
     }
     let (frames, left) = guest_frames(error);
     if !frames.is_empty() {
@@ -122,7 +138,7 @@ pub fn trap_text(cause: &str, output: Option<&str>, words: Option<&str>, error: 
             text.push_str(&format!(" ({left} more frames not shown)"));
         }
     }
-    text
+    (text, cut)
 }
 
 #[cfg(test)]
@@ -135,12 +151,14 @@ mod tests {
 
     #[test]
     fn the_panic_comes_first_and_the_backtrace_keeps_the_guests_frames() {
-        let text = trap_text(
+        let (text, cut) = trap_text(
             "wasm trap: wasm `unreachable` instruction executed",
             Some(OUTPUT),
             Some("the joined lines, unused when there is a panic"),
+            None,
             ERROR,
         );
+        assert!(!cut, "{text}");
         assert!(
             text.starts_with("panicked at src/lib.rs:14:13: price list missing [wasm trap: wasm `unreachable`"),
             "{text}"
@@ -159,16 +177,30 @@ mod tests {
 
     #[test]
     fn without_a_panic_the_cause_and_output_stay() {
-        let text = trap_text(
+        let (text, cut) = trap_text(
             "wasm trap: out of bounds memory access",
             Some("half a line\n"),
             Some("half a line"),
+            None,
             ERROR,
         );
+        assert!(!cut, "{text}");
         assert!(
             text.starts_with("wasm trap: out of bounds memory access; guest output: half a line"),
             "{text}"
         );
         assert_eq!(panic_message("no panic here"), None);
+        // The pipe held only the end of what the guest wrote: said so.
+        let (text, cut) = trap_text(
+            "wasm trap: unreachable",
+            Some("rrrr\n"),
+            Some("rrrr"),
+            Some(102_400),
+            "",
+        );
+        assert!(
+            cut && text.ends_with("[cut by weir: 102400 bytes of guest output, the last lines shown]"),
+            "{text}"
+        );
     }
 }
