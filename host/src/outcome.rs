@@ -74,4 +74,10 @@ pub enum Outcome {
 pub trait SettleObserver: Send + Sync {
     /// `id` was settled with `outcome`.
     fn settled(&self, id: &str, outcome: Outcome);
+
+    /// Why `id` failed, right before its [`SettleObserver::settled`], when
+    /// the failure was put on the ladder (`retry_in`: the delay before the
+    /// next delivery, when the host times it) or dead-lettered (`None`):
+    /// the handler's or the host's error text. Only failures pay for it.
+    fn failed(&self, _id: &str, _error: &str, _retry_in: Option<std::time::Duration>) {}
 }

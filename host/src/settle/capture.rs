@@ -82,6 +82,13 @@ pub async fn capture(
     p: &Provenance<'_>,
 ) -> Outcome {
     let system = transport.system();
+    let (id, group) = match &message {
+        Captured::Envelope(env) => (env.id.clone(), env.group_id.clone().unwrap_or_default()),
+        Captured::Raw(w) => (
+            w.header(header::MESSAGE_ID).unwrap_or_default().to_owned(),
+            w.header(header::GROUP_ID).unwrap_or_default().to_owned(),
+        ),
+    };
     let mut wire = dead_letter_wire(message, p);
     for (name, value) in acker.provenance() {
         wire.set_header(name, value);
@@ -92,6 +99,9 @@ pub async fn capture(
                 tracing::info!(
                     messaging.system = system,
                     topology,
+                    message_id = %id,
+                    group = %group,
+                    handler = p.handler.map_or("", |h| h.0),
                     source = p.source,
                     tag = p.tag,
                     reason = p.reason.as_str(),
@@ -194,5 +204,9 @@ pub async fn capture_envelope(
         handler: handler.map(|h| (h.name(), h.digest.as_str())),
         tag,
     };
-    capture(cx.sink.transport, cx.topology, Captured::Envelope(env), acker, &prov).await
+    let outcome = capture(cx.sink.transport, cx.topology, Captured::Envelope(env), acker, &prov).await;
+    if let Some(o) = cx.sink.observer {
+        o.failed(&env.id, error, None);
+    }
+    outcome
 }

@@ -119,9 +119,29 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
         Step::RetryAfter(delay) => {
             let mut next = env;
             next.attempt += 1;
-            tracing::debug!(handler = handler.name(), message_id = %next.id, next_attempt = next.attempt, ?delay, error, "retry scheduled");
+            let (id, group, next_attempt) = (next.id.clone(), next.group_id.clone(), next.attempt);
             match acker.settle(Disposition::Retry { envelope: next, delay }).await {
-                Ok(()) => Outcome::RetryScheduled,
+                Ok(()) => {
+                    // One line per retry: who, why, and when it runs again
+                    // (on brokers that time redeliveries, the broker's delay).
+                    tracing::info!(
+                        handler = handler.name(),
+                        message_id = %id,
+                        group = group.as_deref().unwrap_or(""),
+                        failure = match final_reason {
+                            Reason::Exhausted => "retry",
+                            other => other.as_str(),
+                        },
+                        next_attempt,
+                        delay = %humantime::format_duration(delay),
+                        error = %super::capture::cut_text(&error, 1024),
+                        "retry scheduled"
+                    );
+                    if let Some(o) = cx.sink.observer {
+                        o.failed(&id, &error, Some(delay));
+                    }
+                    Outcome::RetryScheduled
+                }
                 Err(e) => {
                     tracing::warn!(tag, error = %e, "scheduling a retry failed; the broker redelivers the original");
                     Outcome::Requeued
