@@ -389,6 +389,7 @@ impl Node {
                     registry: registry.clone(),
                     auth: admin::Auth::from_config(config),
                     limits: admin::Limits::from_config(config),
+                    topologies: topologies.clone(),
                 });
                 Some(admin::serve(addr, state, stop_rx.clone()).await?)
             }

@@ -24,6 +24,10 @@ fn token_digest(token: &str) -> [u8; 32] {
 pub(super) const DEPLOYS_DISABLED: &str = "deploys are disabled on this node (no admin_token): set node.admin_token \
      (or a tenant's token) in its config to take deploys";
 
+/// The refusal of a publish on a node without tokens.
+pub(super) const PUBLISHING_DISABLED: &str = "publishing through the admin listener is disabled on this node (no \
+     admin_token): set node.admin_token (or a tenant's token) in its config";
+
 /// Why a request is refused before it does anything.
 pub(super) enum Denied {
     /// No credentials, or unknown ones.
@@ -113,6 +117,17 @@ impl Auth {
     pub(super) fn writer(&self, headers: &HeaderMap) -> Result<Caller, Denied> {
         if !self.configured() {
             return Err(Denied::Forbidden(DEPLOYS_DISABLED.to_owned()));
+        }
+        self.caller(headers)?.ok_or(Denied::Unauthorized(
+            "missing bearer token (Authorization: Bearer TOKEN)",
+        ))
+    }
+
+    /// Publishing messages (`POST /v1/topologies/{T}/messages`): like a
+    /// deploy, a token is always needed, and a node with none takes none.
+    pub(super) fn publisher(&self, headers: &HeaderMap) -> Result<Caller, Denied> {
+        if !self.configured() {
+            return Err(Denied::Forbidden(PUBLISHING_DISABLED.to_owned()));
         }
         self.caller(headers)?.ok_or(Denied::Unauthorized(
             "missing bearer token (Authorization: Bearer TOKEN)",

@@ -39,6 +39,7 @@ pub async fn serve(
         .route("/v1/handlers", get(handlers))
         .route("/v1/handlers/{name}", get(handler).put(deploy))
         .route("/v1/handlers/{name}/rollback", post(rollback))
+        .route("/v1/topologies/{topology}/messages", post(super::messages::publish))
         // Uploads are read by `deploy` itself, after the token is checked.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state);

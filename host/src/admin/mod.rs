@@ -2,7 +2,8 @@
 //! `GET /ready`, `GET /metrics` (Prometheus text), `GET /v1/slots`,
 //! `GET /v1/handlers`, `PUT /v1/handlers/{name}` (body: component bytes;
 //! optional grants `?env=NAME&dir=GUEST:HOST`) and
-//! `POST /v1/handlers/{name}/rollback`.
+//! `POST /v1/handlers/{name}/rollback` and `POST /v1/topologies/{T}/messages`
+//! (publish through this node's broker, see [`messages`]).
 //!
 //! Bearer tokens: `node.admin_token` (the operator) may do everything; a
 //! `[[tenant]] token` sees and changes only that tenant's handlers. `/health`
@@ -35,6 +36,7 @@ pub mod auth;
 pub mod error;
 pub mod limits;
 pub mod listener;
+pub mod messages;
 pub mod metrics;
 pub mod routes;
 pub mod state;

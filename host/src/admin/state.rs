@@ -30,4 +30,6 @@ pub struct AdminState {
     pub limits: Limits,
     /// Who may do what.
     pub auth: Auth,
+    /// The slot count of each topology of the config, by name (publishing).
+    pub topologies: std::collections::HashMap<String, u32>,
 }
