@@ -28,6 +28,27 @@ pub struct Request {
     pub topology: Option<String>,
 }
 
+/// Why `weir publish` refuses a memory config, and where to publish instead.
+pub fn memory_refusal(cfg: &Config) -> String {
+    let topology = cfg.topology.first().map_or("T", |t| t.name.as_str());
+    let admin = cfg
+        .node
+        .admin
+        .map_or_else(|| "http://NODE.ADMIN".to_owned(), |a| format!("http://{a}"));
+    format!(
+        "{origin}: transport.kind = \"memory\": the memory broker lives inside one `weir` process, so a message \
+         published from here would reach no node. Publish into the running node instead: \
+         `curl -H 'Authorization: Bearer TOKEN' -d '{{\"type\": \"T\", \"group\": \"G\", \"payload\": …}}' \
+         {admin}/v1/topologies/{topology}/messages` on its admin listener (node.admin{set}), or type it into `weir dev`",
+        origin = cfg.origin,
+        set = if cfg.node.admin.is_some() {
+            ""
+        } else {
+            ", which this config does not set"
+        },
+    )
+}
+
 /// Publish and return a one-paragraph summary.
 pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
     let names: Vec<&str> = cfg.topology.iter().map(|t| t.name.as_str()).collect();

@@ -153,3 +153,30 @@ fn run_drains_and_exits_0_on_sigterm() {
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("drained"), "{log}");
 }
+
+/// Issue 18: the memory broker lives inside one process, so `weir publish`
+/// against a memory config refuses, and says where to publish instead
+/// (before, it reported a success that went nowhere).
+#[test]
+fn publish_against_a_memory_config_says_where_to_publish_instead() {
+    let cfg = write_config(&format!("[node]\nadmin = \"127.0.0.1:9999\"\n{GOOD}"));
+    let (code, out, err) = weir(&[
+        "publish",
+        "--config",
+        cfg.path().to_str().unwrap(),
+        "--type",
+        "order.placed",
+        "--payload",
+        "{}",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(!out.contains("published"), "{out}");
+    for needle in [
+        "transport.kind = \"memory\"",
+        "would reach no node",
+        "http://127.0.0.1:9999/v1/topologies/orders/messages",
+        "weir dev",
+    ] {
+        assert!(err.contains(needle), "{needle:?} not in: {err}");
+    }
+}
