@@ -105,14 +105,14 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GuestLog {
 }
 
 /// `XDG_CACHE_HOME/weir` or `~/.cache/weir`: compiled code, by digest.
-fn cache_dir() -> Option<PathBuf> {
+pub(crate) fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .map(|d| d.join("weir"))
 }
 
-fn show_payload(bytes: &[u8]) -> String {
+pub(crate) fn show_payload(bytes: &[u8]) -> String {
     const SHOWN: usize = 200;
     match std::str::from_utf8(bytes) {
         Ok(t) if t.len() <= SHOWN => t.to_owned(),

@@ -15,6 +15,7 @@ use weir::observe::journal::{self, Journal};
 
 mod call;
 mod deploy;
+mod dev;
 mod publish;
 mod scaffold;
 
@@ -160,6 +161,24 @@ enum Command {
         #[arg(long)]
         offline: bool,
     },
+    /// The inner loop of a handler project: build it, run it on a node of its
+    /// own (memory broker, admin listener), publish what is typed here or
+    /// posted to `POST /v1/topologies/{T}/messages`, print what each message
+    /// did, and rebuild and deploy on every change of the sources.
+    Dev {
+        /// The project directory.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The admin listener's address (default: weir.toml's node.admin, else 127.0.0.1:9464).
+        #[arg(long)]
+        admin: Option<std::net::SocketAddr>,
+        /// A message type the handler takes (repeatable), for a project without weir.toml.
+        #[arg(long = "type")]
+        types: Vec<String>,
+        /// Build with crates already downloaded only (cargo --offline).
+        #[arg(long)]
+        offline: bool,
+    },
     /// Make a handler's previous version current again (exit codes as for `deploy`).
     Rollback {
         #[command(flatten)]
@@ -223,7 +242,24 @@ fn main() -> ExitCode {
     let guest_log = call::GuestLog::default();
     // Colour only for a person at a terminal, and never with NO_COLOR set.
     let colour = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
-    if matches!(cli.command, Command::Call { .. }) {
+    if matches!(cli.command, Command::Dev { .. }) {
+        // `weir dev` prints each message's way itself (guest log lines
+        // included); the node's own log shows only what goes wrong.
+        use tracing_subscriber::Layer as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(colour)
+            .with_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("warn,weir::runtime::engine=info,weir::guest=off")
+                }),
+            );
+        let guest = dev::GuestEcho
+            .with_filter(tracing_subscriber::filter::Targets::new().with_target("weir::guest", tracing::Level::TRACE));
+        tracing_subscriber::registry().with(fmt).with(guest).init();
+    } else if matches!(cli.command, Command::Call { .. }) {
         // `weir call` prints the guest's log lines with the call they belong
         // to; the rest of the log goes to stderr as usual.
         use tracing_subscriber::Layer as _;
@@ -321,6 +357,9 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             topology,
         } => {
             let cfg = config::load(&config)?;
+            if cfg.transport.kind == config::TransportKind::Memory {
+                anyhow::bail!("{}", publish::memory_refusal(&cfg));
+            }
             let payload = match payload.strip_prefix('@') {
                 Some(file) => std::fs::read(file).with_context(|| format!("--payload @{file}: cannot read {file}"))?,
                 None => payload.into_bytes(),
@@ -382,6 +421,17 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             scaffold::build(&dir, offline)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Dev {
+            dir,
+            admin,
+            types,
+            offline,
+        } => dev::run(dev::Options {
+            dir,
+            admin,
+            types,
+            offline,
+        }),
         Command::Rollback { target } => {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)

@@ -26,11 +26,12 @@ const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
 const WIT: &str = include_str!("../../guest-sdk/wit/handler.wit");
 
 /// (path in the project, template); `{{name}}` and `{{sdk_version}}` are filled in.
-const RUST: [(&str, &str); 8] = [
+const RUST: [(&str, &str); 9] = [
     ("Cargo.toml", include_str!("../templates/rust/Cargo.toml.tmpl")),
     ("src/lib.rs", include_str!("../templates/rust/lib.rs.tmpl")),
     ("README.md", include_str!("../templates/rust/README.md.tmpl")),
     (".gitignore", include_str!("../templates/rust/gitignore.tmpl")),
+    ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
     (
         "weir-guest/Cargo.toml",
         include_str!("../templates/rust/sdk-Cargo.toml.tmpl"),
