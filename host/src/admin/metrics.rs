@@ -1,4 +1,5 @@
-//! `GET /metrics`: the counters in Prometheus text, encoded at scrape time.
+//! `GET /metrics`: the counters, encoded at scrape time, as OpenMetrics or
+//! as Prometheus text 0.0.4, whichever the scraper's `Accept` prefers.
 
 use std::sync::Arc;
 
@@ -28,10 +29,15 @@ pub(super) async fn metrics(State(s): State<Arc<AdminState>>, headers: HeaderMap
         stats: s.stats.clone(),
         slots: s.slots.clone(),
         transport: s.transport.clone(),
+        topologies: s.topologies.clone(),
+        ready: s.ready.clone(),
     }));
     let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, &registry) {
-        Ok(()) => (
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut body, &registry) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics: {e}\n")).into_response();
+    }
+    match negotiate(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok())) {
+        Format::OpenMetrics => (
             [(
                 header::CONTENT_TYPE,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
@@ -39,7 +45,127 @@ pub(super) async fn metrics(State(s): State<Arc<AdminState>>, headers: HeaderMap
             body,
         )
             .into_response(),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics: {e}\n")).into_response(),
+        Format::Text => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+            to_prometheus_text(&body),
+        )
+            .into_response(),
+    }
+}
+
+/// The two exposition formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    /// OpenMetrics 1.0 (what Prometheus asks for first).
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4.
+    Text,
+}
+
+/// The format an `Accept` header prefers: OpenMetrics unless `text/plain`
+/// is asked for with a higher quality (or alone). No header, or `*/*`:
+/// OpenMetrics, as before content negotiation.
+fn negotiate(accept: Option<&str>) -> Format {
+    let Some(accept) = accept else {
+        return Format::OpenMetrics;
+    };
+    let (mut om, mut text) = (-1.0f32, -1.0f32);
+    for range in accept.split(',') {
+        let mut parts = range.split(';').map(str::trim);
+        let media = parts.next().unwrap_or("").to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| p.strip_prefix("q="))
+            .find_map(|q| q.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        match media.as_str() {
+            "application/openmetrics-text" => om = om.max(q),
+            "text/plain" => text = text.max(q),
+            _ => {}
+        }
+    }
+    if text > 0.0 && text > om {
+        Format::Text
+    } else {
+        Format::OpenMetrics
+    }
+}
+
+/// OpenMetrics text as Prometheus text 0.0.4: a counter's `HELP` and
+/// `TYPE` name its `_total` samples, an info metric is a gauge named
+/// `_info`, `unknown` is `untyped`, and `# UNIT` and `# EOF` are dropped.
+fn to_prometheus_text(open_metrics: &str) -> String {
+    let mut types: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+    for line in open_metrics.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ")
+            && let Some((name, kind)) = rest.split_once(' ')
+        {
+            types.insert(name, kind);
+        }
+    }
+    let renamed = |name: &str| match types.get(name).copied() {
+        Some("counter") => format!("{name}_total"),
+        Some("info") => format!("{name}_info"),
+        _ => name.to_owned(),
+    };
+    let mut out = String::with_capacity(open_metrics.len());
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.push_str(&format!("# HELP {} {help}\n", renamed(name)));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let kind = match kind {
+                "info" => "gauge",
+                "unknown" => "untyped",
+                k => k,
+            };
+            out.push_str(&format!("# TYPE {} {kind}\n", renamed(name)));
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    #[test]
+    fn accept_headers_choose_the_format() {
+        assert_eq!(negotiate(None), Format::OpenMetrics);
+        assert_eq!(negotiate(Some("*/*")), Format::OpenMetrics);
+        assert_eq!(negotiate(Some("text/plain")), Format::Text);
+        assert_eq!(negotiate(Some("text/plain; version=0.0.4")), Format::Text);
+        assert_eq!(
+            negotiate(Some(
+                "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,\
+                 text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+            )),
+            Format::OpenMetrics
+        );
+        assert_eq!(
+            negotiate(Some("application/openmetrics-text;q=0.3, text/plain;q=0.9")),
+            Format::Text
+        );
+    }
+
+    #[test]
+    fn counters_and_infos_are_named_by_their_samples_in_text() {
+        let om = "# HELP weir_messages Messages.\n# TYPE weir_messages counter\nweir_messages_total{outcome=\"handled\"} 3\n\
+                  # HELP weir_v Version.\n# TYPE weir_v info\nweir_v_info{digest=\"x\"} 1\n\
+                  # HELP weir_slots Slots.\n# TYPE weir_slots gauge\n# UNIT weir_slots slots\nweir_slots 2\n# EOF\n";
+        let text = to_prometheus_text(om);
+        assert_eq!(
+            text,
+            "# HELP weir_messages_total Messages.\n# TYPE weir_messages_total counter\nweir_messages_total{outcome=\"handled\"} 3\n\
+             # HELP weir_v_info Version.\n# TYPE weir_v_info gauge\nweir_v_info{digest=\"x\"} 1\n\
+             # HELP weir_slots Slots.\n# TYPE weir_slots gauge\nweir_slots 2\n"
+        );
     }
 }
 
@@ -49,6 +175,8 @@ struct Scrape {
     stats: Arc<Stats>,
     slots: Arc<SlotSet>,
     transport: Arc<dyn Transport>,
+    topologies: std::collections::HashMap<String, u32>,
+    ready: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Scrape {
@@ -292,8 +420,44 @@ impl Collector for Scrape {
             None,
             owned.metric_type(),
         )?)?;
+        {
+            let running = self.slots.running();
+            let mut topologies: Vec<(&String, &u32)> = self.topologies.iter().collect();
+            topologies.sort();
+            let probe = ConstGauge::new(0i64);
+            let mut m = encoder.encode_descriptor(
+                "topology_slots",
+                "Slots of each topology (the config's count).",
+                None,
+                probe.metric_type(),
+            )?;
+            for (t, n) in &topologies {
+                ConstGauge::new(i64::from(**n)).encode(m.encode_family(&[("topology", t.as_str())])?)?;
+            }
+            drop(m);
+            let mut m = encoder.encode_descriptor(
+                "topology_slots_owned",
+                "Slots of each topology this node consumes now (summed over the nodes: below weir_topology_slots means some slot has no owner).",
+                None,
+                probe.metric_type(),
+            )?;
+            for (t, _) in &topologies {
+                let owned = running.iter().filter(|(rt, _)| rt == *t).count();
+                ConstGauge::new(i64::try_from(owned).unwrap_or(i64::MAX))
+                    .encode(m.encode_family(&[("topology", t.as_str())])?)?;
+            }
+        }
+        let ready = ConstGauge::new(i64::from(self.ready.load(std::sync::atomic::Ordering::Relaxed)));
+        ready.encode(encoder.encode_descriptor(
+            "node_ready",
+            "1 while the node takes work; 0 while it starts, is fenced (lost its lease) or stops.",
+            None,
+            ready.metric_type(),
+        )?)?;
+        // Declared on every broker (empty but for JetStream), so dashboards
+        // and alerts read the same families everywhere.
         let floors = self.transport.ack_floor();
-        if !floors.is_empty() {
+        {
             let probe = ConstGauge::new(0.0f64);
             let mut m = encoder.encode_descriptor(
                 "ack_floor_stall_seconds",
