@@ -7,7 +7,6 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
-use weir::cluster::postgres;
 use weir::config;
 use weir::demo::{self, DemoOptions};
 use weir::node::{self, Node, NodeOptions};
@@ -16,8 +15,10 @@ use weir::observe::journal::{self, Journal};
 mod call;
 mod deploy;
 mod dev;
+mod logging;
 mod publish;
 mod scaffold;
+mod status;
 
 /// Weir: message handlers in WebAssembly, one host per node.
 #[derive(Parser)]
@@ -25,6 +26,14 @@ mod scaffold;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines on stderr as text for people or one JSON object a line
+    /// (default: node.log_format, else text). Colour only on a terminal, never with NO_COLOR.
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<config::LogFormat>,
+    /// The level of Weir's own log lines (default: node.log_level, else info).
+    /// RUST_LOG, when set, replaces the whole filter, e.g. RUST_LOG=warn,weir::settle=debug.
+    #[arg(long, global = true, value_enum)]
+    log_level: Option<config::LogLevel>,
 }
 
 #[derive(Subcommand)]
@@ -46,15 +55,28 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// The cluster as the coordinator database has it: nodes (lease age,
-    /// leader) and slots (owner, fencing epoch, state). `postgres` mode.
+    /// The cluster's slots (owner, fencing epoch, state, lag, consumers, calls
+    /// in flight) and nodes, with every unowned slot flagged (red on a terminal).
+    /// From the coordinator database in `postgres` mode, or from the admin
+    /// listener of one or more nodes in any mode.
     Status {
-        /// The node's TOML config (its `[cluster] database_url`).
+        /// A node's TOML config: its `[cluster] database_url` in postgres mode,
+        /// else its `node.admin` (with its admin_token unless --token is given).
+        #[arg(long, required_unless_present = "admin")]
+        config: Option<PathBuf>,
+        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable:
+        /// the nodes' views are merged, so static-mode clusters show whole).
         #[arg(long)]
-        config: PathBuf,
+        admin: Vec<String>,
+        /// The operator token of those listeners (or WEIR_TOKEN).
+        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+        token: Option<String>,
         /// Print JSON (the same as `GET /v1/slots`) instead of tables.
         #[arg(long)]
         json: bool,
+        /// Redraw every SECONDS (default 2) until Ctrl-C.
+        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<f64>,
     },
     /// Publish messages through the configured broker to the slot of their
     /// group (publisher confirms), with a progress bar for large counts.
@@ -233,60 +255,36 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The demo's own output is the progress bar and the summary; its
-    // dead letters are expected, so only warnings are logged by default.
-    let default_filter = match cli.command {
-        Command::Demo { .. } => "warn",
-        _ => "warn,weir=info",
+    if !matches!(cli.command, Command::Run { .. }) {
+        // A command whose output is piped into `head` ends quietly when the
+        // pipe closes, as Unix tools do, instead of panicking on the write.
+        // SAFETY: setting a signal's disposition before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+    // `weir run` takes its log settings from its config unless the flags say otherwise.
+    let from_config = match &cli.command {
+        Command::Run { config } => config::load(config).ok().map(|c| (c.node.log_format, c.node.log_level)),
+        _ => None,
+    };
+    let settings = logging::Settings {
+        kind: match cli.command {
+            Command::Demo { .. } => logging::Kind::Demo,
+            Command::Call { .. } => logging::Kind::Call,
+            Command::Dev { .. } => logging::Kind::Dev,
+            _ => logging::Kind::Other,
+        },
+        format: cli.log_format.or(from_config.and_then(|c| c.0)).unwrap_or_default(),
+        level: cli.log_level.or(from_config.and_then(|c| c.1)),
     };
     let guest_log = call::GuestLog::default();
-    // Colour only for a person at a terminal, and never with NO_COLOR set.
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
-    if matches!(cli.command, Command::Dev { .. }) {
-        // `weir dev` prints each message's way itself (guest log lines
-        // included); the node's own log shows only what goes wrong.
-        use tracing_subscriber::Layer as _;
-        use tracing_subscriber::layer::SubscriberExt as _;
-        use tracing_subscriber::util::SubscriberInitExt as _;
-        let fmt = tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            .with_ansi(colour)
-            .with_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new("warn,weir::runtime::engine=info,weir::guest=off")
-                }),
-            );
-        let guest = dev::GuestEcho
-            .with_filter(tracing_subscriber::filter::Targets::new().with_target("weir::guest", tracing::Level::TRACE));
-        tracing_subscriber::registry().with(fmt).with(guest).init();
-    } else if matches!(cli.command, Command::Call { .. }) {
-        // `weir call` prints the guest's log lines with the call they belong
-        // to; the rest of the log goes to stderr as usual.
-        use tracing_subscriber::Layer as _;
-        use tracing_subscriber::layer::SubscriberExt as _;
-        use tracing_subscriber::util::SubscriberInitExt as _;
-        let fmt = tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            .with_ansi(colour)
-            .with_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new("warn,weir::runtime::engine=info,weir::guest=off")
-                }),
-            );
-        let guest = tracing_subscriber::Layer::with_filter(
-            guest_log.clone(),
-            tracing_subscriber::filter::Targets::new().with_target("weir::guest", tracing::Level::TRACE),
-        );
-        tracing_subscriber::registry().with(fmt).with(guest).init();
-    } else {
-        tracing_subscriber::fmt()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-            )
-            .with_writer(std::io::stderr)
-            .with_ansi(colour)
-            .init();
+    match settings.kind {
+        // `weir call` prints the guest's log lines with the call they belong to.
+        logging::Kind::Call => logging::init(&settings, Some(guest_log.clone())),
+        // `weir dev` prints them as they come, in the message's block.
+        logging::Kind::Dev => logging::init(&settings, Some(dev::GuestEcho)),
+        _ => logging::init(&settings, None::<dev::GuestEcho>),
     }
     match run(cli, &guest_log) {
         Ok(code) => code,
@@ -337,13 +335,10 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
                     opts.call_observer = Some(j.clone());
                     opts.settle_observer = Some(j);
                 }
-                let node = Node::start(&cfg, transport, opts).await?;
+                let node = Node::start(&cfg, transport.clone(), opts).await?;
+                warn_unconsumed_static_slots(&cfg, transport.as_ref()).await;
                 wait_for_signal().await?;
-                tracing::info!("signal received: draining");
-                let reports = node.shutdown().await?;
-                let released: u64 = reports.iter().map(|r| r.released).sum();
-                tracing::info!(slots = reports.len(), released, "drained; exiting");
-                Ok::<_, anyhow::Error>(())
+                drain(node).await
             })?;
             Ok(ExitCode::SUCCESS)
         }
@@ -436,39 +431,127 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { config, json } => {
-            let cfg = config::load(&config)?;
-            if cfg.cluster.mode != config::ClusterMode::Postgres {
-                anyhow::bail!(
-                    "{}: `weir status` reads the coordinator database; it needs cluster.mode = \"postgres\"",
-                    cfg.origin
-                );
+        Command::Status {
+            config,
+            admin,
+            token,
+            json,
+            watch,
+        } => status::run(status::Request {
+            config,
+            admin,
+            token,
+            json,
+            watch: watch
+                .map(|w| {
+                    std::time::Duration::try_from_secs_f64(w)
+                        .ok()
+                        .filter(|d| !d.is_zero())
+                        .context("--watch: a number of seconds above 0, e.g. --watch 2")
+                })
+                .transpose()?,
+        }),
+    }
+}
+
+/// Static mode: the slots of this node's topologies that it does not own
+/// and that no consumer reads now are named at start (the config warning
+/// already said another node must own them; this says none does yet).
+async fn warn_unconsumed_static_slots(cfg: &config::Config, transport: &dyn weir::transport::Transport) {
+    if cfg.cluster.mode != config::ClusterMode::Static {
+        return;
+    }
+    let owned = cfg.cluster.owned_slots.clone().unwrap_or_default();
+    for t in &cfg.topology {
+        let mut idle = Vec::new();
+        for slot in (0..t.slots).filter(|n| !owned.contains(n)) {
+            match transport.consumers(&t.name, slot).await {
+                Ok(Some(0)) => idle.push(slot),
+                Ok(_) => {}
+                Err(_) => return,
             }
-            let url = cfg.cluster.database_url.clone().unwrap_or_default();
-            let status = runtime()?.block_on(async {
-                let pool = postgres::connect(&url).await?;
-                let mut status = postgres::status::status(&pool).await?;
-                // Lag per slot from the broker; a broker that cannot answer leaves it unknown.
-                let transport = node::transport_for(&cfg)?;
-                for s in &mut status.slots {
-                    match transport.backlog(&s.topology, s.slot).await {
-                        Ok(lag) => s.lag = lag,
-                        Err(e) => {
-                            tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "cannot read the slot's backlog");
-                            break;
-                        }
-                    }
-                }
-                anyhow::Ok(status)
-            })?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
-            } else {
-                print!("{status}");
-            }
-            Ok(ExitCode::SUCCESS)
+        }
+        if !idle.is_empty() {
+            tracing::warn!(
+                topology = %t.name,
+                slots = ?idle,
+                "no node consumes these slots now: their messages wait until a node with them in cluster.owned_slots starts"
+            );
         }
     }
+}
+
+/// Leave: stop taking messages, let the calls in flight finish (saying
+/// which, every second), release what has not started, and exit. A second
+/// SIGINT or SIGTERM interrupts the calls still running: they go back to the
+/// broker unfinished, like everything not started, and nothing is lost.
+async fn drain(node: Node) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let draining = node.draining();
+    tracing::info!(
+        "signal received: draining (no new messages; the calls in flight finish, the rest goes back to the broker; \
+         a second Ctrl-C interrupts the calls)"
+    );
+    let progress = {
+        let draining = draining.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let calls = draining.in_flight();
+                let total: i64 = calls.iter().map(|(_, n)| n).sum();
+                if total > 0 {
+                    let each: Vec<String> = calls.iter().map(|(h, n)| format!("{h} ×{n}")).collect();
+                    tracing::info!(
+                        waited_s = started.elapsed().as_secs(),
+                        "waiting for {total} call(s): {}",
+                        each.join(", ")
+                    );
+                } else {
+                    tracing::info!(
+                        waited_s = started.elapsed().as_secs(),
+                        "no call running; releasing the slots"
+                    );
+                }
+            }
+        })
+    };
+    let forced = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let force = {
+        let (draining, forced) = (draining.clone(), forced.clone());
+        tokio::spawn(async move {
+            if wait_for_signal().await.is_ok() {
+                forced.store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(
+                    "second signal: interrupting the calls still running; they go back to the broker unfinished \
+                     (redelivered, not lost)"
+                );
+                draining.interrupt();
+            }
+        })
+    };
+    let reports = node.shutdown().await?;
+    progress.abort();
+    force.abort();
+    let released: u64 = reports.iter().map(|r| r.released).sum();
+    let finished: usize = reports.iter().map(|r| r.drained.len()).sum();
+    tracing::info!(
+        slots = reports.len(),
+        finished,
+        released,
+        interrupted = forced.load(std::sync::atomic::Ordering::Relaxed),
+        took_ms = started.elapsed().as_millis() as u64,
+        "stopped: {} slot(s) drained, {finished} job(s) in flight finished{}, {released} message(s) this node held \
+         but had not started went back to the broker; everything not acknowledged is delivered again",
+        reports.len(),
+        if forced.load(std::sync::atomic::Ordering::Relaxed) {
+            " or were interrupted"
+        } else {
+            ""
+        },
+    );
+    Ok(())
 }
 
 async fn wait_for_signal() -> anyhow::Result<()> {

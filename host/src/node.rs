@@ -63,6 +63,41 @@ pub struct NodeOptions {
     pub inject_panic_on: Option<String>,
 }
 
+/// A handle on a node that is leaving ([`Node::draining`]): the calls it
+/// still waits for, and a way to stop waiting.
+#[derive(Clone)]
+pub struct Draining {
+    slots: Arc<SlotSet>,
+    registry: Arc<Registry>,
+}
+
+impl Draining {
+    /// Calls running now, by handler (`handler@tenant` for a tenant's), busiest first.
+    pub fn in_flight(&self) -> Vec<(String, i64)> {
+        let mut calls: Vec<(String, i64)> = self
+            .registry
+            .metrics()
+            .into_iter()
+            .map(|(name, tenant, m)| {
+                let name = match tenant {
+                    Some(t) => format!("{name}@{t}"),
+                    None => name.to_owned(),
+                };
+                (name, m.in_flight())
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        calls.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        calls
+    }
+
+    /// Interrupt the calls still running: they are released to the broker
+    /// unfinished (as a fence does), so the drain ends now.
+    pub fn interrupt(&self) {
+        self.slots.interrupt_all();
+    }
+}
+
 /// A running node.
 pub struct Node {
     pipeline: Arc<Pipeline>,
@@ -390,6 +425,7 @@ impl Node {
                     auth: admin::Auth::from_config(config),
                     limits: admin::Limits::from_config(config),
                     topologies: topologies.clone(),
+                    mode: config.cluster.mode.as_str(),
                 });
                 Some(admin::serve(addr, state, stop_rx.clone()).await?)
             }
@@ -441,6 +477,14 @@ impl Node {
     pub async fn publish(&self, topology: &str, env: &Envelope) -> Result<(), TransportError> {
         let slots = self.topologies.get(topology).copied().unwrap_or(1);
         publish(self.pipeline.transport.as_ref(), topology, slots, env).await
+    }
+
+    /// What `weir run` watches while this node drains.
+    pub fn draining(&self) -> Draining {
+        Draining {
+            slots: self.slots.clone(),
+            registry: self.registry.clone(),
+        }
     }
 
     /// Stop taking messages, return unstarted ones, wait for every call in

@@ -49,6 +49,38 @@ pub fn memory_refusal(cfg: &Config) -> String {
     )
 }
 
+/// Say so when a slot just published to has no consumer (the broker's
+/// count): the messages wait there until a node consumes it. A group's
+/// messages went to one slot; unordered ones to any.
+async fn warn_unconsumed(transport: &dyn weir::transport::Transport, topology: &str, slots: u32, group: Option<&str>) {
+    let targets: Vec<u32> = match group.filter(|g| !g.is_empty()) {
+        Some(g) => vec![weir::partition::slot_for(Some(g), "", slots)],
+        None => (0..slots).collect(),
+    };
+    let mut idle = Vec::new();
+    for slot in targets {
+        match transport.consumers(topology, slot).await {
+            Ok(Some(0)) => idle.push(slot),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the slots' consumers");
+                return;
+            }
+        }
+    }
+    if idle.is_empty() {
+        return;
+    }
+    let which = match group {
+        Some(g) => format!("group {g:?} goes to slot {}", idle[0]),
+        None => format!("slot(s) {idle:?}"),
+    };
+    eprintln!(
+        "warning: {which} of topology `{topology}`, which no consumer reads now: those messages wait until a node \
+         consumes it (`weir status` shows who owns what; in static mode, list it in some node's cluster.owned_slots)"
+    );
+}
+
 /// Publish and return a one-paragraph summary.
 pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
     let names: Vec<&str> = cfg.topology.iter().map(|t| t.name.as_str()).collect();
@@ -121,6 +153,7 @@ pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
     }
     bar.finish_and_clear();
     let secs = started.elapsed().as_secs_f64();
+    warn_unconsumed(transport, name, slots, req.group.as_deref()).await;
     Ok(format!(
         "published {published} message(s) of type `{}` to topology `{name}` on {} ({} slots{}) in {:.2}s ({:.0} msg/s), every one confirmed",
         req.message_type,

@@ -35,31 +35,53 @@ pub(super) async fn ready(State(s): State<Arc<AdminState>>) -> Response {
 }
 
 /// The slots as `weir status --json` shows them: the coordinator's view in
-/// `postgres` mode, else this node's own slots; lag from the broker.
+/// the modes that have one, else every slot of the config with this node's
+/// own marked; lag and consumers from the broker, the calls running on the
+/// slots this node runs.
 pub async fn slot_status(s: &AdminState) -> anyhow::Result<Status> {
     let mut status = match s.coordinator.status().await? {
         Some(status) => status,
-        None => Status {
-            nodes: Vec::new(),
-            slots: s
-                .slots
-                .running()
+        None => {
+            let running = s.slots.running();
+            let mut topologies: Vec<(&String, &u32)> = s.topologies.iter().collect();
+            topologies.sort();
+            let slots = topologies
                 .into_iter()
-                .map(|(topology, slot)| SlotStatus {
-                    topology,
-                    slot,
-                    owner: Some(s.node.clone()),
-                    epoch: 0,
-                    state: "assigned".into(),
-                    lag: None,
+                .flat_map(|(t, n)| (0..*n).map(move |slot| (t.clone(), slot)))
+                .map(|(topology, slot)| {
+                    let here = running.iter().any(|(t, n)| *t == topology && *n == slot);
+                    let owner = here.then(|| s.node.clone());
+                    SlotStatus::new(topology, slot, owner, 0, if here { "consumed" } else { "not here" })
                 })
-                .collect(),
-        },
+                .collect();
+            Status {
+                mode: String::new(),
+                nodes: Vec::new(),
+                slots,
+            }
+        }
     };
+    status.mode = s.mode.to_owned();
+    let counters = s.stats.slots();
     for slot in &mut status.slots {
-        match s.transport.backlog(&slot.topology, slot.slot).await {
-            Ok(lag) => slot.lag = lag,
-            Err(e) => {
+        if slot.owner.as_deref() == Some(s.node.as_str()) {
+            slot.in_flight = counters
+                .iter()
+                .find(|((t, n), _)| **t == *slot.topology && *n == slot.slot)
+                .map(|(_, c)| c.depth().1);
+        }
+    }
+    for slot in &mut status.slots {
+        let (lag, consumers) = tokio::join!(
+            s.transport.backlog(&slot.topology, slot.slot),
+            s.transport.consumers(&slot.topology, slot.slot)
+        );
+        match (lag, consumers) {
+            (Ok(lag), Ok(consumers)) => {
+                slot.lag = lag;
+                slot.consumers = consumers;
+            }
+            (Err(e), _) | (_, Err(e)) => {
                 tracing::warn!(error = %e, "cannot read slot backlogs");
                 break;
             }

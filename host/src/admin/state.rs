@@ -30,6 +30,8 @@ pub struct AdminState {
     pub limits: Limits,
     /// Who may do what.
     pub auth: Auth,
+    /// `cluster.mode`, as written.
+    pub mode: &'static str,
     /// The slot count of each topology of the config, by name (publishing).
     pub topologies: std::collections::HashMap<String, u32>,
 }

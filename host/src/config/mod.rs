@@ -95,6 +95,16 @@ pub struct Node {
     /// handlers (at least 256). Cached idle instances are evicted when the pool is full.
     #[serde(default)]
     pub instance_pool: Option<u32>,
+    /// How `weir run` writes its log lines to stderr: `"text"` (for people; colour only on a
+    /// terminal, never with NO_COLOR) or `"json"` (one object a line, for collectors).
+    /// `--log-format` overrides it.
+    #[serde(default)]
+    pub log_format: Option<LogFormat>,
+    /// The level of Weir's own log lines: `"error"`, `"warn"`, `"info"` (the default),
+    /// `"debug"` or `"trace"`. `--log-level` overrides it; `RUST_LOG`, when set, replaces the
+    /// whole filter (per-target directives, e.g. `RUST_LOG=warn,weir::settle=debug`).
+    #[serde(default)]
+    pub log_level: Option<LogLevel>,
     /// How long the admin listener waits for a request's line and headers, counted from when
     /// the connection opens or its previous response is sent: an idle connection, or one whose
     /// headers trickle in, is closed after this; so is one whose client stops reading a
@@ -185,6 +195,8 @@ impl Default for Node {
             max_component_size: defaults::MAX_COMPONENT_SIZE,
             budgets: Budgets::default(),
             instance_pool: None,
+            log_format: None,
+            log_level: None,
             admin_header_timeout: defaults::ADMIN_HEADER_TIMEOUT,
             admin_body_timeout: defaults::ADMIN_BODY_TIMEOUT,
             admin_idle_timeout: defaults::ADMIN_IDLE_TIMEOUT,
@@ -304,6 +316,46 @@ impl Default for Cluster {
     }
 }
 
+/// `node.log_format` and `--log-format`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    /// Lines for people.
+    #[default]
+    Text,
+    /// One JSON object a line.
+    Json,
+}
+
+/// `node.log_level` and `--log-level`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogLevel {
+    /// Failures only.
+    Error,
+    /// And what may need a look.
+    Warn,
+    /// And what a node does: starts, swaps, retries, dead letters.
+    Info,
+    /// And the detail of each step.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+impl LogLevel {
+    /// As a tracing filter directive's level.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+}
+
 /// `cluster.mode`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -317,6 +369,18 @@ pub enum ClusterMode {
     Postgres,
     /// RabbitMQ's single active consumer enforces one consumer per slot queue.
     RabbitmqSac,
+}
+
+impl ClusterMode {
+    /// The name as written in the config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClusterMode::Solo => "solo",
+            ClusterMode::Static => "static",
+            ClusterMode::Postgres => "postgres",
+            ClusterMode::RabbitmqSac => "rabbitmq-sac",
+        }
+    }
 }
 
 /// `[[topology]]`.

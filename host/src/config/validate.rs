@@ -162,6 +162,20 @@ impl Config {
                         "is empty; a static node must own at least one slot, e.g. [0]",
                     );
                 }
+                for t in &self.topology {
+                    let missing: Vec<u32> = (0..t.slots).filter(|n| !slots.contains(n)).collect();
+                    if !missing.is_empty() && !slots.is_empty() {
+                        warnings.push(Violation {
+                            key: "cluster.owned_slots".into(),
+                            message: format!(
+                                "topology {:?} has {} slots and this node consumes only {slots:?}: slots {missing:?} \
+                                 must be in another node's owned_slots, or their messages wait unconsumed \
+                                 (`weir status --admin URL …` with every node shows any that nobody owns)",
+                                t.name, t.slots
+                            ),
+                        });
+                    }
+                }
                 let mut seen = HashSet::new();
                 for (j, slot) in slots.iter().enumerate() {
                     if !seen.insert(slot) {

@@ -340,6 +340,15 @@ pub trait Transport: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// How many consumers `slot` has now (RabbitMQ: the slot queue's
+    /// consumer count; JetStream: pull requests waiting on the slot's
+    /// consumer, so a node that just stopped counts until its requests
+    /// expire). `None`: this broker cannot say. Read-only; for
+    /// `weir status` and `weir publish`'s warning about an unconsumed slot.
+    async fn consumers(&self, _topology: &str, _slot: u32) -> Result<Option<u32>, TransportError> {
+        Ok(None)
+    }
+
     /// The ack floor of every slot consumer this transport watches
     /// (JetStream); empty for brokers without one. Observe only.
     fn ack_floor(&self) -> Vec<crate::transport::nats::floor::FloorState> {

@@ -35,14 +35,19 @@ pub async fn status(pool: &PgPool) -> anyhow::Result<Status> {
     .await
     .context("reading weir_slots")?
     .iter()
-    .map(|r| SlotStatus {
-        topology: r.get(0),
-        slot: u32::try_from(r.get::<i32, _>(1)).unwrap_or(0),
-        owner: r.get(2),
-        epoch: r.get(3),
-        state: r.get(4),
-        lag: None,
+    .map(|r| {
+        SlotStatus::new(
+            r.get::<String, _>(0),
+            u32::try_from(r.get::<i32, _>(1)).unwrap_or(0),
+            r.get(2),
+            r.get(3),
+            r.get::<String, _>(4),
+        )
     })
     .collect();
-    Ok(Status { nodes, slots })
+    Ok(Status {
+        mode: "postgres".into(),
+        nodes,
+        slots,
+    })
 }

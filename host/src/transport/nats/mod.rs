@@ -227,6 +227,23 @@ impl Transport for Nats {
         }
     }
 
+    async fn consumers(&self, topology: &str, slot: u32) -> Result<Option<u32>, TransportError> {
+        let conn = self.conn().await?;
+        let (stream, consumer) = (names::stream(topology), names::slot_consumer(topology, slot));
+        match conn
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(&consumer, &stream)
+            .await
+        {
+            Ok(c) => Ok(Some(u32::try_from(c.cached_info().num_waiting).unwrap_or(u32::MAX))),
+            Err(e) if is_not_found(&e) => Ok(Some(0)),
+            Err(e) => Err(TransportError::new(
+                ErrorKind::Connection,
+                format!("reading consumer {consumer} of stream {stream}: {e}"),
+            )),
+        }
+    }
+
     fn ack_floor(&self) -> Vec<FloorState> {
         self.inner.floor.snapshot()
     }

@@ -105,6 +105,20 @@ impl Transport for RabbitMq {
     }
 
     async fn backlog(&self, topology: &str, slot: u32) -> Result<Option<u64>, TransportError> {
+        Ok(self
+            .inspect(topology, slot)
+            .await?
+            .map(|(messages, _)| u64::from(messages)))
+    }
+
+    async fn consumers(&self, topology: &str, slot: u32) -> Result<Option<u32>, TransportError> {
+        Ok(self.inspect(topology, slot).await?.map(|(_, consumers)| consumers))
+    }
+}
+
+impl RabbitMq {
+    /// The slot queue's ready messages and consumers (`None`: no such queue).
+    async fn inspect(&self, topology: &str, slot: u32) -> Result<Option<(u32, u32)>, TransportError> {
         let conn = self.conn().await?;
         let queue = names::slot_queue(topology, slot);
         // A passive declare on a channel of its own: a missing queue closes
@@ -122,7 +136,7 @@ impl Transport for RabbitMq {
             .queue_declare(queue.as_str().into(), opts, FieldTable::default())
             .await
         {
-            Ok(q) => Some(u64::from(q.message_count())),
+            Ok(q) => Some((q.message_count(), q.consumer_count())),
             Err(_) => None,
         };
         let _ = ch.close(200, "inspected".into()).await;
