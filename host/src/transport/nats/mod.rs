@@ -73,6 +73,7 @@
 
 pub mod acker;
 pub mod conn;
+pub mod dead_letters;
 pub mod declare;
 pub mod floor;
 pub mod names;
@@ -229,6 +230,10 @@ impl Transport for Nats {
 
     fn ack_floor(&self) -> Vec<FloorState> {
         self.inner.floor.snapshot()
+    }
+
+    fn dead_letters(&self) -> Option<&dyn crate::transport::dead_letters::DeadLetterStore> {
+        Some(self)
     }
 
     /// Acks and naks are published without an answer, so when the node

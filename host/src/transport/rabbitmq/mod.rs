@@ -25,6 +25,7 @@
 pub mod acker;
 mod coalesce;
 pub mod conn;
+pub mod dead_letters;
 pub mod declare;
 pub mod names;
 pub mod subscription;
@@ -127,6 +128,10 @@ impl Transport for RabbitMq {
         };
         let _ = ch.close(200, "inspected".into()).await;
         Ok(depth)
+    }
+
+    fn dead_letters(&self) -> Option<&dyn crate::transport::dead_letters::DeadLetterStore> {
+        Some(self)
     }
 }
 
