@@ -14,6 +14,7 @@ use weir::node::{self, Node, NodeOptions};
 use weir::observe::journal::{self, Journal};
 
 mod call;
+mod dead_letters;
 mod deploy;
 mod publish;
 mod scaffold;
@@ -165,6 +166,12 @@ enum Command {
         #[command(flatten)]
         target: AdminTarget,
     },
+    /// Dead letters: list, show, redrive (in order, each re-publish
+    /// confirmed before the letter is removed), purge.
+    DeadLetters {
+        #[command(subcommand)]
+        command: dead_letters::Command,
+    },
     /// Retry schedule tools.
     Schedule {
         #[command(subcommand)]
@@ -218,6 +225,8 @@ fn main() -> ExitCode {
     // dead letters are expected, so only warnings are logged by default.
     let default_filter = match cli.command {
         Command::Demo { .. } => "warn",
+        // Their output is the table or the summary; the broker's chatter is not.
+        Command::DeadLetters { .. } => "warn",
         _ => "warn,weir=info",
     };
     let guest_log = call::GuestLog::default();
@@ -382,6 +391,7 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             scaffold::build(&dir, offline)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::DeadLetters { command } => dead_letters::run(command),
         Command::Rollback { target } => {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
