@@ -238,6 +238,34 @@ async fn select(t: &Target, filter: &Filter, progress: &(dyn Fn(Progress) + Send
         })
 }
 
+/// `writeln!` into the command's output (a `String`: writing to it cannot fail).
+macro_rules! outln {
+    ($o:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($o, $($arg)*);
+    }};
+}
+
+/// `write!` into the command's output.
+macro_rules! out {
+    ($o:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = write!($o, $($arg)*);
+    }};
+}
+
+/// Print the command's output. A reader that went away (`| head`) is no
+/// error: the command's work is done by then.
+fn emit(text: &str) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        tracing::warn!(error = %e, "writing the output failed");
+    }
+}
+
 /// Run a `weir dead-letters` subcommand.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     let rt = node::async_runtime().context("starting the async runtime")?;
@@ -355,6 +383,7 @@ fn table(views: &[LetterView]) -> String {
 }
 
 async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::Result<ExitCode> {
+    let mut o = String::new();
     let t = target(common).await?;
     let (bar, progress) = bar();
     let selection = select(&t, &filter, &progress).await?;
@@ -371,7 +400,8 @@ async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::
         let out = serde_json::json!({
             "topology": t.name, "system": t.transport.system(), "read": read, "matched": matched, "letters": views,
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!(o, "{}", serde_json::to_string_pretty(&out)?);
+        emit(&o);
         return Ok(ExitCode::SUCCESS);
     }
     let shown = if views.len() < matched {
@@ -379,18 +409,21 @@ async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::
     } else {
         String::new()
     };
-    println!(
+    outln!(
+        o,
         "topology `{}` on {}: {matched} of {read} dead letter(s) match{shown}",
         t.name,
         t.transport.system()
     );
     if !views.is_empty() {
-        print!("{}", table(&views));
+        out!(o, "{}", table(&views));
     }
+    emit(&o);
     Ok(ExitCode::SUCCESS)
 }
 
 async fn show(common: &Common, filter: Filter) -> anyhow::Result<ExitCode> {
+    let mut o = String::new();
     let t = target(common).await?;
     let (bar, progress) = bar();
     let selection = select(&t, &filter, &progress).await?;
@@ -403,9 +436,10 @@ async fn show(common: &Common, filter: Filter) -> anyhow::Result<ExitCode> {
     let read = selection.read;
     selection.close().await;
     if common.json {
-        println!("{}", serde_json::to_string_pretty(&views)?);
+        outln!(o, "{}", serde_json::to_string_pretty(&views)?);
     } else if views.is_empty() {
-        println!(
+        outln!(
+            o,
             "topology `{}` on {}: none of {read} dead letter(s) is {}",
             t.name,
             t.transport.system(),
@@ -414,24 +448,26 @@ async fn show(common: &Common, filter: Filter) -> anyhow::Result<ExitCode> {
     }
     if !common.json {
         for v in &views {
-            println!(
+            outln!(
+                o,
                 "dead letter #{} of topology `{}` ({})",
                 v.position,
                 t.name,
                 t.transport.system()
             );
             for (k, value) in v.headers.iter().flatten() {
-                println!("  {k}: {value}");
+                outln!(o, "  {k}: {value}");
             }
             if let Some(p) = &v.payload {
-                println!("  payload ({} bytes, {}):", v.payload_bytes, p.encoding);
+                outln!(o, "  payload ({} bytes, {}):", v.payload_bytes, p.encoding);
                 for l in p.data.lines() {
-                    println!("    {l}");
+                    outln!(o, "    {l}");
                 }
             }
-            println!("  redrive would send it to slot {}", v.slot);
+            outln!(o, "  redrive would send it to slot {}", v.slot);
         }
     }
+    emit(&o);
     Ok(if views.is_empty() {
         ExitCode::FAILURE
     } else {
@@ -485,6 +521,7 @@ async fn redrive(
     dry_run: bool,
     handler_version: Option<String>,
 ) -> anyhow::Result<ExitCode> {
+    let mut o = String::new();
     if let Some(pin) = &handler_version
         && !deadletter::is_digest(pin)
     {
@@ -520,7 +557,7 @@ async fn redrive(
     };
     bar.finish_and_clear();
     if common.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!(o, "{}", serde_json::to_string_pretty(&report)?);
     } else {
         let n = report.letters.len();
         let pinned = report
@@ -529,7 +566,8 @@ async fn redrive(
             .map(|p| format!(", pinned to version {p}"))
             .unwrap_or_default();
         if report.dry_run {
-            println!(
+            outln!(
+                o,
                 "dry run: would redrive {n} of {} dead letter(s) of topology `{}` on {} ({} group(s)){pinned}, in this order:",
                 report.read,
                 report.topology,
@@ -537,7 +575,8 @@ async fn redrive(
                 report.groups
             );
         } else {
-            println!(
+            outln!(
+                o,
                 "redrove {} of {n} selected dead letter(s) of topology `{}` on {} ({} group(s)){pinned}; each was \
                  re-published to its slot (confirmed) before it was removed",
                 report.moved,
@@ -548,7 +587,8 @@ async fn redrive(
         }
         if report.dry_run {
             for m in &report.letters {
-                println!(
+                outln!(
+                    o,
                     "  #{:<5} {}  group {}  tenant {}  type {}  {}  -> slot {}",
                     m.position,
                     cell(m.message_id.as_deref()),
@@ -559,12 +599,13 @@ async fn redrive(
                     m.slot
                 );
             }
-            println!("nothing was sent or removed");
+            outln!(o, "nothing was sent or removed");
         }
         if let Some(why) = &report.stopped {
-            println!("stopped: {why}");
+            outln!(o, "stopped: {why}");
         }
     }
+    emit(&o);
     Ok(match report.stopped {
         Some(_) => ExitCode::FAILURE,
         None => ExitCode::SUCCESS,
@@ -572,6 +613,7 @@ async fn redrive(
 }
 
 async fn purge(common: &Common, filter: Filter, dry_run: bool) -> anyhow::Result<ExitCode> {
+    let mut o = String::new();
     let t = target(common).await?;
     let (bar, progress) = bar();
     let selection = select(&t, &filter, &progress).await?;
@@ -583,9 +625,10 @@ async fn purge(common: &Common, filter: Filter, dry_run: bool) -> anyhow::Result
     let report = selection.purge(dry_run, &progress).await;
     bar.finish_and_clear();
     if common.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!(o, "{}", serde_json::to_string_pretty(&report)?);
     } else if dry_run {
-        println!(
+        outln!(
+            o,
             "dry run: would purge {} of {} dead letter(s) of topology `{}` on {}:",
             report.selected,
             report.read,
@@ -593,11 +636,12 @@ async fn purge(common: &Common, filter: Filter, dry_run: bool) -> anyhow::Result
             t.transport.system()
         );
         if !views.is_empty() {
-            print!("{}", table(&views));
+            out!(o, "{}", table(&views));
         }
-        println!("nothing was removed");
+        outln!(o, "nothing was removed");
     } else {
-        println!(
+        outln!(
+            o,
             "purged {} of {} selected dead letter(s) of topology `{}` on {}",
             report.purged,
             report.selected,
@@ -605,9 +649,10 @@ async fn purge(common: &Common, filter: Filter, dry_run: bool) -> anyhow::Result
             t.transport.system()
         );
         if let Some(why) = &report.stopped {
-            println!("stopped: {why}");
+            outln!(o, "stopped: {why}");
         }
     }
+    emit(&o);
     Ok(match report.stopped {
         Some(_) => ExitCode::FAILURE,
         None => ExitCode::SUCCESS,
