@@ -1,7 +1,8 @@
 //! RabbitMQ (AMQP 0-9-1, lapin). Owns the broker objects of a topology, the
 //! one connection a node keeps, confirmed publishes, slot and ingress
-//! consumers, and the one function that turns a [`Disposition`] into acks
-//! ([`acker`]). Slots, lanes and the ladder arithmetic are left
+//! consumers, the one function that turns a [`Disposition`] into acks
+//! ([`acker`]), and the dead-letter tools' reads of the dead-letter queue
+//! ([`dead_letters`]). Slots, lanes and the ladder arithmetic are left
 //! to the layers above.
 //!
 //! Broker objects of topology `T` (names fixed by DESIGN.md):
