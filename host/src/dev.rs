@@ -562,8 +562,16 @@ impl Transport for DevTransport {
         self.inner.backlog(topology, slot).await
     }
 
+    async fn consumers(&self, topology: &str, slot: u32) -> Result<Option<u32>, TransportError> {
+        self.inner.consumers(topology, slot).await
+    }
+
     async fn close(&self) {
         self.inner.close().await;
+    }
+
+    fn dead_letters(&self) -> Option<&dyn weir::transport::dead_letters::DeadLetterStore> {
+        self.inner.dead_letters()
     }
 }
 

@@ -37,6 +37,43 @@ pub mod header {
     /// JetStream dead letters: the server's delivery count when it was captured.
     pub const DELIVERY_COUNT: &str = "weir-delivery-count";
 
+    /// A redriven message: how many times it was taken off the dead-letter
+    /// destination and sent back to its slot (1 on the first redrive).
+    pub const REDRIVE_COUNT: &str = "weir-redrive-count";
+    /// A redriven message: the `weir-dead-letter-reason` of the letter it was
+    /// redriven from. The rest of that letter's provenance is kept the same
+    /// way, under [`redriven`] names, so that a later capture's own
+    /// provenance is never mistaken for it.
+    pub const REDRIVE_REASON: &str = "weir-redrive-reason";
+    /// The component digest (`weir-handler-version`) this message must run
+    /// on: set by a redrive with `--handler-version`. A message whose pin the
+    /// node cannot resolve is dead-lettered `no-handler`, saying why.
+    pub const HANDLER_PIN: &str = "weir-handler-pin";
+
+    /// The provenance headers a capture writes, which a redrive moves out of
+    /// the way: each is kept under its [`redriven`] name.
+    pub const PROVENANCE: [&str; 8] = [
+        DEAD_LETTER_REASON,
+        ERROR,
+        SOURCE,
+        HANDLER,
+        HANDLER_VERSION,
+        FAILED_AT,
+        STREAM_SEQUENCE,
+        DELIVERY_COUNT,
+    ];
+
+    /// The name a redriven message keeps a [`PROVENANCE`] header under:
+    /// `weir-dead-letter-reason` becomes [`REDRIVE_REASON`], any other
+    /// `weir-X` becomes `weir-redrive-X` (`weir-redrive-error`,
+    /// `weir-redrive-handler-version`, …).
+    pub fn redriven(name: &str) -> String {
+        match name {
+            DEAD_LETTER_REASON => REDRIVE_REASON.to_owned(),
+            other => format!("weir-redrive-{}", other.strip_prefix("weir-").unwrap_or(other)),
+        }
+    }
+
     /// Names the headers whose value arrived as bytes that are not UTF-8
     /// (an AMQP byte array or long string): a JSON array of names. Their
     /// values are carried as lowercase hex, so no byte is lost, and a

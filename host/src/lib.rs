@@ -52,6 +52,9 @@ pub mod settle;
 /// The retry ladder (pure arithmetic).
 pub mod retry;
 
+/// Dead letters: list, show, redrive (in order, confirmed before removal), purge.
+pub mod deadletter;
+
 /// Counters, ledgers, the soak's journal.
 pub mod observe;
 

@@ -15,8 +15,9 @@ use weir::config::{LogFormat, LogLevel};
 /// Which command is logging, for its defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// `weir demo`: its output is the progress and the summary; warnings only.
-    Demo,
+    /// `weir demo`, `weir dead-letters`: their output is the progress and
+    /// the summary, or the table; warnings only.
+    Quiet,
     /// `weir call`: guest lines are printed with the call.
     Call,
     /// `weir dev`: guest lines are printed with the message; only what goes wrong is logged.
@@ -39,7 +40,7 @@ fn filter(s: &Settings) -> EnvFilter {
     }
     let text = match (s.kind, s.level) {
         (_, Some(level)) => format!("warn,weir={}", level.as_str()),
-        (Kind::Demo, None) => "warn".to_owned(),
+        (Kind::Quiet, None) => "warn".to_owned(),
         (Kind::Call | Kind::Dev, None) => "warn,weir::runtime::engine=info,weir::guest=off".to_owned(),
         (Kind::Other, None) => "warn,weir=info".to_owned(),
     };

@@ -13,6 +13,7 @@ use weir::node::{self, Node, NodeOptions};
 use weir::observe::journal::{self, Journal};
 
 mod call;
+mod dead_letters;
 mod deploy;
 mod dev;
 mod logging;
@@ -206,6 +207,12 @@ enum Command {
         #[command(flatten)]
         target: AdminTarget,
     },
+    /// Dead letters: list, show, redrive (in order, each re-publish
+    /// confirmed before the letter is removed), purge.
+    DeadLetters {
+        #[command(subcommand)]
+        command: dead_letters::Command,
+    },
     /// Retry schedule tools.
     Schedule {
         #[command(subcommand)]
@@ -270,7 +277,8 @@ fn main() -> ExitCode {
     };
     let settings = logging::Settings {
         kind: match cli.command {
-            Command::Demo { .. } => logging::Kind::Demo,
+            // Their output is the progress and summary, or the table: warnings only.
+            Command::Demo { .. } | Command::DeadLetters { .. } => logging::Kind::Quiet,
             Command::Call { .. } => logging::Kind::Call,
             Command::Dev { .. } => logging::Kind::Dev,
             _ => logging::Kind::Other,
@@ -427,6 +435,7 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             types,
             offline,
         }),
+        Command::DeadLetters { command } => dead_letters::run(command),
         Command::Rollback { target } => {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)

@@ -250,7 +250,7 @@ fn start_runtime(config: &Config, opts: &NodeOptions) -> anyhow::Result<Arc<Runt
 }
 
 /// Bind every handler's message types (and batch rules) in a router.
-fn bind_handlers(config: &Config) -> anyhow::Result<Router> {
+pub fn bind_handlers(config: &Config) -> anyhow::Result<Router> {
     let mut router = Router::new();
     for (i, h) in config.handler.iter().enumerate() {
         let types = h

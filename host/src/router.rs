@@ -2,6 +2,9 @@
 //! type) to a handler name, and the current version of each handler.
 //! A binding for the message's tenant wins over a binding for any tenant.
 //! A binding may be batched ([`BatchRule`]): its messages go to `handle-batch`.
+//! A message pinned to a version (`weir-handler-pin`, set by a redrive) runs
+//! on that version, found by a [`PinResolver`] (the registry), and alone
+//! through `handle`, never in a batch with messages of another version.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,8 +12,25 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, header};
 use crate::runtime::HandlerVersion;
+
+/// Finds a handler's version by digest, for pinned messages: the registry,
+/// which keeps earlier versions (compiled, or their bytes in its store).
+#[async_trait::async_trait]
+pub trait PinResolver: Send + Sync {
+    /// Version `digest` of handler `handler`, compiled; or why it cannot be had.
+    async fn pinned(&self, handler: &str, digest: &str) -> Result<Arc<HandlerVersion>, String>;
+}
+
+/// Why a pinned message has no version to run on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PinError {
+    /// No handler is bound to its (tenant, message type).
+    NoHandler,
+    /// Its handler cannot run the pinned version: the reason.
+    Unresolvable(String),
+}
 
 /// How a batched binding collects its messages (`handler.batch`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +74,8 @@ pub struct Router {
     /// keys: routing a message allocates nothing.
     bindings: HashMap<String, HashMap<String, ByTenant>>,
     versions: RwLock<HashMap<String, Arc<HandlerVersion>>>,
+    /// Finds pinned versions (set once the registry exists).
+    resolver: RwLock<Option<std::sync::Weak<dyn PinResolver>>>,
 }
 
 impl Router {
@@ -115,6 +137,34 @@ impl Router {
         old
     }
 
+    /// Where pinned versions come from (the registry; held weakly, since
+    /// the registry holds the router).
+    pub fn set_resolver(&self, resolver: std::sync::Weak<dyn PinResolver>) {
+        *self.resolver.write() = Some(resolver);
+    }
+
+    /// The version a message pinned to `digest` runs on: its handler's
+    /// current one when that is the digest, else what the resolver finds.
+    pub async fn route_pinned(
+        &self,
+        topology: &str,
+        env: &Envelope,
+        digest: &str,
+    ) -> Result<Arc<HandlerVersion>, PinError> {
+        let name = self.handler_name(topology, env).ok_or(PinError::NoHandler)?;
+        if let Some(current) = self.version(name).filter(|v| v.digest == digest) {
+            return Ok(current);
+        }
+        let resolver = self.resolver.read().as_ref().and_then(std::sync::Weak::upgrade);
+        let Some(resolver) = resolver else {
+            return Err(PinError::Unresolvable(format!(
+                "handler `{name}` runs {} and this node keeps no other versions",
+                self.version(name).map(|v| v.digest.clone()).unwrap_or_default()
+            )));
+        };
+        resolver.pinned(name, digest).await.map_err(PinError::Unresolvable)
+    }
+
     /// The current version of `name`.
     pub fn version(&self, name: &str) -> Option<Arc<HandlerVersion>> {
         self.versions.read().get(name).cloned()
@@ -135,8 +185,12 @@ impl Router {
         Some(self.binding(topology, env)?.handler.as_str())
     }
 
-    /// How a message is batched, or `None` when it goes to `handle` alone.
+    /// How a message is batched, or `None` when it goes to `handle` alone
+    /// (as a pinned message always does: it runs on a version of its own).
     pub fn batch_rule(&self, topology: &str, env: &Envelope) -> Option<&Arc<BatchRule>> {
+        if env.header(header::HANDLER_PIN).is_some() {
+            return None;
+        }
         self.binding(topology, env)?.batch.as_ref()
     }
 
@@ -193,5 +247,25 @@ mod tests {
         );
         assert!(r.batch_rule("t", &msg("single", None)).is_none());
         assert!(r.batch_rule("other", &msg("line", None)).is_none());
+    }
+
+    #[test]
+    fn a_pinned_message_is_never_batched() {
+        let mut r = Router::new();
+        r.bind("t", None, "line", "orders");
+        let rule = BatchRule {
+            handler: Arc::from("orders"),
+            size: 10,
+            linger: Duration::from_millis(20),
+        };
+        assert_eq!(r.batch("t", None, &["line".into()], rule), 1);
+        assert!(r.batch_rule("t", &msg("line", None)).is_some());
+        let mut pinned = msg("line", None);
+        pinned.headers.push((header::HANDLER_PIN.into(), "ab".repeat(32)));
+        assert!(
+            r.batch_rule("t", &pinned).is_none(),
+            "it runs alone, on its own version"
+        );
+        assert_eq!(r.handler_name("t", &pinned), Some("orders"), "still its handler's");
     }
 }

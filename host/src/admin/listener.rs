@@ -13,6 +13,7 @@ use axum::Router;
 use axum::routing::{get, post};
 use tokio::sync::watch;
 
+use super::dead_letters;
 use super::limits::Limits;
 use super::metrics::metrics;
 use super::routes::{deploy, handler, handlers, ready, rollback, slots};
@@ -40,6 +41,9 @@ pub async fn serve(
         .route("/v1/handlers/{name}", get(handler).put(deploy))
         .route("/v1/handlers/{name}/rollback", post(rollback))
         .route("/v1/topologies/{topology}/messages", post(super::messages::publish))
+        .route("/v1/dead-letters", get(dead_letters::list))
+        .route("/v1/dead-letters/redrive", post(dead_letters::redrive))
+        .route("/v1/dead-letters/purge", post(dead_letters::purge))
         // Uploads are read by `deploy` itself, after the token is checked.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state);

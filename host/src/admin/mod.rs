@@ -2,8 +2,10 @@
 //! `GET /ready`, `GET /metrics` (Prometheus text), `GET /v1/slots`,
 //! `GET /v1/handlers`, `PUT /v1/handlers/{name}` (body: component bytes;
 //! optional grants `?env=NAME&dir=GUEST:HOST`) and
-//! `POST /v1/handlers/{name}/rollback` and `POST /v1/topologies/{T}/messages`
-//! (publish through this node's broker, see [`messages`]).
+//! `POST /v1/handlers/{name}/rollback`, `POST /v1/topologies/{T}/messages`
+//! (publish through this node's broker, see [`messages`]), and the
+//! dead-letter tools under `/v1/dead-letters` ([`dead_letters`]: list,
+//! redrive, purge; tenant-scoped).
 //!
 //! Bearer tokens: `node.admin_token` (the operator) may do everything; a
 //! `[[tenant]] token` sees and changes only that tenant's handlers. `/health`
@@ -33,6 +35,7 @@
 //! encoding), [`state`] (what the routes read).
 
 pub mod auth;
+pub mod dead_letters;
 pub mod error;
 pub mod limits;
 pub mod listener;

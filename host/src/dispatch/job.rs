@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::bindings::weir::handler::types::Failure;
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, header};
 use crate::observe::stats::FlushReason;
 use crate::outcome::Reason;
 use crate::retry::schedule::{Redelivery, Schedule};
+use crate::router::PinError;
 use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion, Interrupt};
 use crate::settle::Pending;
 use crate::settle::capture::capture_envelope;
@@ -54,8 +55,23 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
         cx.record(None, &env.id, outcome);
         return None;
     }
-    match p.router.route(&s.topology, &env) {
-        Some(handler) => Some((
+    // A message pinned to a version (a redrive's `--handler-version`) runs
+    // on it, or is dead-lettered `no-handler` saying why it cannot.
+    let routed = match env.header(header::HANDLER_PIN) {
+        None => p.router.route(&s.topology, &env).ok_or(None),
+        Some(pin) => {
+            let pin = pin.to_owned();
+            match p.router.route_pinned(&s.topology, &env, &pin).await {
+                Ok(handler) => Ok(handler),
+                Err(PinError::NoHandler) => Err(None),
+                Err(PinError::Unresolvable(why)) => Err(Some(format!(
+                    "pinned to version {pin} (weir-handler-pin), which cannot run here: {why}"
+                ))),
+            }
+        }
+    };
+    match routed {
+        Ok(handler) => Some((
             env,
             Pending {
                 acker,
@@ -64,13 +80,15 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
                 handler,
             },
         )),
-        None => {
-            let error = format!(
-                "no handler for message type `{}` (tenant {}) in topology `{}`",
-                env.message_type,
-                env.tenant_id.as_deref().unwrap_or("none"),
-                s.topology
-            );
+        Err(why) => {
+            let error = why.unwrap_or_else(|| {
+                format!(
+                    "no handler for message type `{}` (tenant {}) in topology `{}`",
+                    env.message_type,
+                    env.tenant_id.as_deref().unwrap_or("none"),
+                    s.topology
+                )
+            });
             let cx = p.slot(s);
             let outcome = capture_envelope(&cx, &env, acker, Reason::NoHandler, &error, &source, None, tag).await;
             cx.record(None, &env.id, outcome);

@@ -24,12 +24,14 @@
 //! and checked by where they resolve ([`PinnedDir`]).
 //!
 //! The files: [`types`] (what callers see: grants, activations, errors),
-//! [`deploy`] (deploy, rollback, the swap), [`store`] (where versions are
+//! [`deploy`] (deploy, rollback, the swap), [`pin`] (versions pinned by a
+//! redrive, for the router), [`store`] (where versions are
 //! kept: the data directory, the database), [`sync`] (following the
 //! cluster's deploys and the watched directory); this one loads the
 //! configured handlers and answers what the registry holds.
 
 pub mod deploy;
+pub mod pin;
 pub mod settings;
 pub mod store;
 pub mod sync;
@@ -172,6 +174,10 @@ pub struct Registry {
     changing: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
     swaps: std::sync::atomic::AtomicU64,
     refused: std::sync::atomic::AtomicU64,
+    /// Versions compiled for pinned messages ([`pin`]), oldest first.
+    pinned: Mutex<Vec<Arc<HandlerVersion>>>,
+    /// One pinned version compiles at a time.
+    pin_compiles: tokio::sync::Mutex<()>,
 }
 
 impl Registry {
@@ -227,7 +233,11 @@ impl Registry {
             changing: specs_names.iter().map(|n| (n.clone(), Arc::default())).collect(),
             swaps: std::sync::atomic::AtomicU64::new(0),
             refused: std::sync::atomic::AtomicU64::new(0),
+            pinned: Mutex::new(Vec::new()),
+            pin_compiles: tokio::sync::Mutex::new(()),
         });
+        let resolver: Arc<dyn crate::router::PinResolver> = registry.clone();
+        registry.router.set_resolver(Arc::downgrade(&resolver));
         for name in registry.specs.keys() {
             registry
                 .restore(name)

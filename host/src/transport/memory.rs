@@ -2,6 +2,8 @@
 //! delayed redelivery and a dead-letter list, behind the same [`Transport`]
 //! trait as the real brokers. Like RabbitMQ, the host owns the retry ladder.
 //! Fault injection ([`Faults`]) lets tests make a capture or an ack fail.
+//! The dead-letter list numbers its letters in capture order and serves the
+//! dead-letter tools ([`DeadLetterStore`]) like the real brokers' do.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -14,6 +16,7 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::dead_letters::{DeadLetter, DeadLetterSession, DeadLetterStore};
 use super::{
     Acker, Delivery, Disposition, ErrorKind, RetryOwner, Subscription, TopologySpec, Transport, TransportError,
 };
@@ -135,9 +138,16 @@ struct SlotQueue {
     notify: Notify,
 }
 
+/// A topology's dead letters, numbered in capture order (from 1).
+#[derive(Default)]
+struct DeadList {
+    next: u64,
+    letters: Vec<(u64, Wire)>,
+}
+
 struct Topology {
     slots: Vec<Arc<SlotQueue>>,
-    dead_letters: Mutex<Vec<Wire>>,
+    dead_letters: Mutex<DeadList>,
 }
 
 struct Shared {
@@ -202,7 +212,7 @@ impl MemoryBroker {
     /// Messages on the dead-letter list of `topology`.
     pub fn dead_letters(&self, topology: &str) -> Vec<Wire> {
         self.topology(topology)
-            .map(|t| t.dead_letters.lock().clone())
+            .map(|t| t.dead_letters.lock().letters.iter().map(|(_, w)| w.clone()).collect())
             .unwrap_or_default()
     }
 
@@ -280,7 +290,7 @@ impl Transport for MemoryBroker {
             spec.name.clone(),
             Arc::new(Topology {
                 slots,
-                dead_letters: Mutex::new(Vec::new()),
+                dead_letters: Mutex::new(DeadList::default()),
             }),
         );
         Ok(())
@@ -326,7 +336,90 @@ impl Transport for MemoryBroker {
                 format!("weir.{topology}.dead-letter refused the capture (injected)"),
             ));
         }
-        t.dead_letters.lock().push(wire);
+        let mut list = t.dead_letters.lock();
+        list.next += 1;
+        let position = list.next;
+        list.letters.push((position, wire));
+        Ok(())
+    }
+
+    fn dead_letters(&self) -> Option<&dyn DeadLetterStore> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for MemoryBroker {
+    /// A copy of the list as it is now; removals take effect at once.
+    async fn open(&self, topology: &str) -> Result<Box<dyn DeadLetterSession>, TransportError> {
+        let t = self.topology(topology)?;
+        let snapshot: VecDeque<DeadLetter> = t
+            .dead_letters
+            .lock()
+            .letters
+            .iter()
+            .map(|(position, wire)| DeadLetter {
+                position: *position,
+                wire: wire.clone(),
+            })
+            .collect();
+        Ok(Box::new(MemoryDeadLetters {
+            topology: t,
+            name: topology.to_owned(),
+            expected: snapshot.len() as u64,
+            snapshot,
+        }))
+    }
+
+    fn topologies(&self) -> Vec<(String, u32)> {
+        let mut all: Vec<(String, u32)> = self
+            .shared
+            .topologies
+            .read()
+            .iter()
+            .map(|(name, t)| (name.clone(), u32::try_from(t.slots.len()).unwrap_or(u32::MAX)))
+            .collect();
+        all.sort();
+        all
+    }
+}
+
+/// A session over the memory broker's dead-letter list.
+struct MemoryDeadLetters {
+    topology: Arc<Topology>,
+    name: String,
+    expected: u64,
+    snapshot: VecDeque<DeadLetter>,
+}
+
+#[async_trait]
+impl DeadLetterSession for MemoryDeadLetters {
+    fn expected(&self) -> Option<u64> {
+        Some(self.expected)
+    }
+
+    async fn next(&mut self) -> Result<Option<DeadLetter>, TransportError> {
+        Ok(self.snapshot.pop_front())
+    }
+
+    async fn remove(&mut self, position: u64) -> Result<(), TransportError> {
+        let mut list = self.topology.dead_letters.lock();
+        match list.letters.iter().position(|(p, _)| *p == position) {
+            Some(i) => {
+                list.letters.remove(i);
+                Ok(())
+            }
+            None => Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "dead letter #{position} of topology `{}` is not there (already removed?)",
+                    self.name
+                ),
+            )),
+        }
+    }
+
+    async fn close(self: Box<Self>) -> Result<(), TransportError> {
         Ok(())
     }
 }
@@ -507,5 +600,44 @@ mod tests {
         };
         assert_eq!(from_blob(&to_blob(&w)), w);
         assert_eq!(from_blob(&to_blob(&Wire::default())), Wire::default());
+    }
+
+    #[tokio::test]
+    async fn dead_letters_are_numbered_in_capture_order_and_removed_by_number() {
+        let b = MemoryBroker::new();
+        b.declare(&TopologySpec::new("t", 1)).await.unwrap();
+        for n in ["a", "b", "c"] {
+            let w = Wire {
+                headers: vec![("weir-message-id".into(), n.into())],
+                body: Vec::new(),
+            };
+            b.publish_dead_letter("t", w).await.unwrap();
+        }
+        let store = Transport::dead_letters(&b).unwrap();
+        assert_eq!(store.topologies(), vec![("t".to_owned(), 1)]);
+        let mut s = store.open("t").await.unwrap();
+        assert_eq!(s.expected(), Some(3));
+        let mut read = Vec::new();
+        while let Some(l) = s.next().await.unwrap() {
+            read.push((l.position, l.wire.header("weir-message-id").unwrap().to_owned()));
+        }
+        assert_eq!(read, vec![(1, "a".into()), (2, "b".into()), (3, "c".into())]);
+        s.remove(2).await.unwrap();
+        assert!(s.remove(2).await.is_err(), "a letter is removed once");
+        s.close().await.unwrap();
+        let left: Vec<_> = b
+            .dead_letters("t")
+            .iter()
+            .map(|w| w.header("weir-message-id").unwrap().to_owned())
+            .collect();
+        assert_eq!(left, vec!["a", "c"]);
+        // A later capture gets the next number, never a removed one's.
+        b.publish_dead_letter("t", Wire::default()).await.unwrap();
+        let mut s = store.open("t").await.unwrap();
+        let mut last = 0;
+        while let Some(l) = s.next().await.unwrap() {
+            last = l.position;
+        }
+        assert_eq!(last, 4);
     }
 }

@@ -3,6 +3,7 @@
 //! [`Disposition`], which each broker turns into acks in one function
 //! ([`Acker::settle`]). Everything above this module is broker-neutral.
 
+pub mod dead_letters;
 pub mod limits;
 pub mod memory;
 pub mod nats;
@@ -360,6 +361,12 @@ pub trait Transport: Send + Sync + 'static {
     /// the process exits. Called last by `Node::shutdown`; the default has
     /// nothing to do.
     async fn close(&self) {}
+
+    /// The dead-letter destinations, for the dead-letter tools (list,
+    /// redrive, purge). `None`: this transport offers none (a wrapper).
+    fn dead_letters(&self) -> Option<&dyn dead_letters::DeadLetterStore> {
+        None
+    }
 }
 
 /// The slot of `env` in a topology of `slots` slots: that of its group, or

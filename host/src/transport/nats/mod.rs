@@ -3,8 +3,9 @@
 //! publishes that wait for the server's `PubAck`, slot and ingress pull
 //! consumers (pull requests driven here, [`Puller`]), the in-progress ticker
 //! that keeps a slow call from being redelivered mid-call, the ack-floor
-//! pollers, the failure counts of retried messages, and the one function that
-//! turns a [`Disposition`] into acks ([`acker`]). Slots, lanes and
+//! pollers, the failure counts of retried messages, the one function that
+//! turns a [`Disposition`] into acks ([`acker`]), and the dead-letter tools'
+//! reads of `WEIR_T_DLQ` ([`dead_letters`]). Slots, lanes and
 //! the ladder arithmetic are left to the layers above.
 //!
 //! Server objects of topology `T` (names fixed by DESIGN.md):
@@ -73,6 +74,7 @@
 
 pub mod acker;
 pub mod conn;
+pub mod dead_letters;
 pub mod declare;
 pub mod floor;
 pub mod names;
@@ -246,6 +248,10 @@ impl Transport for Nats {
 
     fn ack_floor(&self) -> Vec<FloorState> {
         self.inner.floor.snapshot()
+    }
+
+    fn dead_letters(&self) -> Option<&dyn crate::transport::dead_letters::DeadLetterStore> {
+        Some(self)
     }
 
     /// Acks and naks are published without an answer, so when the node

@@ -1,7 +1,8 @@
 //! RabbitMQ (AMQP 0-9-1, lapin). Owns the broker objects of a topology, the
 //! one connection a node keeps, confirmed publishes, slot and ingress
-//! consumers, and the one function that turns a [`Disposition`] into acks
-//! ([`acker`]). Slots, lanes and the ladder arithmetic are left
+//! consumers, the one function that turns a [`Disposition`] into acks
+//! ([`acker`]), and the dead-letter tools' reads of the dead-letter queue
+//! ([`dead_letters`]). Slots, lanes and the ladder arithmetic are left
 //! to the layers above.
 //!
 //! Broker objects of topology `T` (names fixed by DESIGN.md):
@@ -25,6 +26,7 @@
 pub mod acker;
 mod coalesce;
 pub mod conn;
+pub mod dead_letters;
 pub mod declare;
 pub mod names;
 pub mod subscription;
@@ -141,6 +143,10 @@ impl RabbitMq {
         };
         let _ = ch.close(200, "inspected".into()).await;
         Ok(depth)
+    }
+
+    fn dead_letters(&self) -> Option<&dyn crate::transport::dead_letters::DeadLetterStore> {
+        Some(self)
     }
 }
 
