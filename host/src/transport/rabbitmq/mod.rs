@@ -116,6 +116,10 @@ impl Transport for RabbitMq {
     async fn consumers(&self, topology: &str, slot: u32) -> Result<Option<u32>, TransportError> {
         Ok(self.inspect(topology, slot).await?.map(|(_, consumers)| consumers))
     }
+
+    fn dead_letters(&self) -> Option<&dyn crate::transport::dead_letters::DeadLetterStore> {
+        Some(self)
+    }
 }
 
 impl RabbitMq {
@@ -143,10 +147,6 @@ impl RabbitMq {
         };
         let _ = ch.close(200, "inspected".into()).await;
         Ok(depth)
-    }
-
-    fn dead_letters(&self) -> Option<&dyn crate::transport::dead_letters::DeadLetterStore> {
-        Some(self)
     }
 }
 
