@@ -63,7 +63,7 @@ impl Auth {
         }
     }
 
-    fn configured(&self) -> bool {
+    pub(super) fn configured(&self) -> bool {
         self.operator.is_some() || !self.tenants.is_empty()
     }
 

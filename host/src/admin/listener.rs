@@ -33,6 +33,8 @@ pub async fn serve(
     clear_spool(&state.limits);
     let limits = state.limits.clone();
     let app = Router::new()
+        .route("/", get(super::dashboard::page))
+        .route("/v1/whoami", get(super::dashboard::whoami))
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))

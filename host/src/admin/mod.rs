@@ -5,7 +5,8 @@
 //! `POST /v1/handlers/{name}/rollback`, `POST /v1/topologies/{T}/messages`
 //! (publish through this node's broker, see [`messages`]), and the
 //! dead-letter tools under `/v1/dead-letters` ([`dead_letters`]: list,
-//! redrive, purge; tenant-scoped).
+//! redrive, purge; tenant-scoped). `GET /` is a dashboard over these
+//! ([`dashboard`]), and `GET /v1/whoami` tells it who a token is.
 //!
 //! Bearer tokens: `node.admin_token` (the operator) may do everything; a
 //! `[[tenant]] token` sees and changes only that tenant's handlers. `/health`
@@ -35,6 +36,7 @@
 //! encoding), [`state`] (what the routes read).
 
 pub mod auth;
+pub mod dashboard;
 pub mod dead_letters;
 pub mod error;
 pub mod limits;
