@@ -580,6 +580,7 @@ fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Op
         topology: vec![config::Topology::new(TOPOLOGY, slots)],
         handler: vec![handler],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<weir-bench>".into(),
     }
 }

@@ -140,6 +140,7 @@ pub(crate) fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> C
         topology: vec![t],
         handler: vec![handler],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<weir-bench nats-drain>".into(),
     }
 }

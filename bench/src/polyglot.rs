@@ -172,6 +172,7 @@ fn e2e_once(o: &Opts, g: &Guest, cache: &Path) -> anyhow::Result<(Duration, Dura
         topology: vec![config::Topology::new(TOPOLOGY, 4)],
         handler: vec![handler],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<weir-bench polyglot>".into(),
     };
     let broker = MemoryBroker::new();

@@ -175,6 +175,7 @@ pub(crate) fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batc
         topology: vec![t],
         handler: vec![handler],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<weir-bench rabbitmq-drain>".into(),
     }
 }

@@ -178,6 +178,7 @@ pub fn run(req: Request, log: &GuestLog) -> anyhow::Result<ExitCode> {
     }
     let cfg = Config {
         handler: vec![handler.clone()],
+        telemetry: Default::default(),
         origin: "<weir call>".into(),
         ..Config::default()
     };

@@ -183,6 +183,7 @@ fn demo_config(o: &DemoOptions) -> Config {
         topology: vec![topology],
         handler: vec![orders, notify],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<demo>".into(),
     }
 }

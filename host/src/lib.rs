@@ -61,6 +61,9 @@ pub mod observe;
 /// Handler versions: deploy, rollback, store, cluster sync.
 pub mod registry;
 
+/// Traces: OpenTelemetry spans per message, `traceparent` through cascades.
+pub mod telemetry;
+
 /// Who runs which slot: the coordinator modes.
 pub mod cluster;
 

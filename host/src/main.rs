@@ -334,6 +334,9 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             for w in cfg.validate().unwrap_or_default() {
                 tracing::warn!(key = %w.key, "{}", w.message);
             }
+            // Spans queued when the node stops are flushed when this drops,
+            // after the drain.
+            let _traces = weir::telemetry::init(&cfg.telemetry, &cfg.node.name)?;
             runtime()?.block_on(async {
                 let transport = node::transport_for(&cfg)?;
                 let mut opts = NodeOptions::default();

@@ -70,6 +70,22 @@ pub enum Outcome {
     Released,
 }
 
+impl Outcome {
+    /// Its name in traces: `ack`, `retry`, `dead-letter`, `stranded`,
+    /// `uncertain`, `requeued`, `release`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Handled => "ack",
+            Outcome::RetryScheduled => "retry",
+            Outcome::DeadLettered(_) => "dead-letter",
+            Outcome::Stranded => "stranded",
+            Outcome::Uncertain => "uncertain",
+            Outcome::Requeued => "requeued",
+            Outcome::Released => "release",
+        }
+    }
+}
+
 /// Told how each message was settled.
 pub trait SettleObserver: Send + Sync {
     /// `id` was settled with `outcome`.

@@ -145,6 +145,7 @@ fn config(on: &On, guest: Guest) -> Config {
         topology: vec![t],
         handler: vec![h],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<batch cascades test>".into(),
     }
 }

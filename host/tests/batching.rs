@@ -111,6 +111,7 @@ fn config(on: &On, size: u32, linger: Duration, max_groups: u32, prefetch: u32) 
         topology: vec![t],
         handler: vec![h],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<batching test>".into(),
     }
 }

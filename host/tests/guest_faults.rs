@@ -78,6 +78,7 @@ fn test_config() -> Config {
         topology: vec![topology],
         handler: vec![faulty],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<guest_faults test>".into(),
     }
 }

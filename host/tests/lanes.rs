@@ -46,6 +46,7 @@ fn config(slots: u32, max_groups: u32) -> Config {
         topology: vec![t],
         handler: vec![h],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<test>".into(),
     }
 }

@@ -512,6 +512,7 @@ fn runs_on_a_node_end_to_end(lang: Lang) {
             topology: vec![t],
             handler: vec![orders, notify],
             tenant: Vec::new(),
+            telemetry: Default::default(),
             origin: "<polyglot test>".into(),
         };
         let broker = MemoryBroker::new();

@@ -138,3 +138,13 @@ pub(super) fn instances() -> u32 {
 pub(super) fn yes() -> bool {
     true
 }
+
+/// `telemetry.sampling`: every trace that starts here is kept.
+pub(super) fn sampling() -> f64 {
+    1.0
+}
+
+/// `telemetry.service_name`.
+pub(super) fn service_name() -> String {
+    "weir".to_owned()
+}

@@ -57,6 +57,9 @@ pub struct Config {
     /// Tenants (`[[tenant]]`): their admin token, limits and what their handlers may be granted.
     #[serde(default)]
     pub tenant: Vec<Tenant>,
+    /// Traces (`[telemetry]`): where spans go, and how many. Absent: no traces.
+    #[serde(default)]
+    pub telemetry: Telemetry,
     /// Where the config came from (file path or label), named in errors. Not read from TOML.
     #[serde(skip)]
     pub origin: String,
@@ -203,6 +206,35 @@ impl Default for Node {
             admin_max_connections: defaults::ADMIN_MAX_CONNECTIONS,
             admin_max_uploads: defaults::ADMIN_MAX_UPLOADS,
             admin_max_uploads_per_caller: defaults::ADMIN_MAX_UPLOADS_PER_CALLER,
+        }
+    }
+}
+
+/// `[telemetry]`: OpenTelemetry traces over OTLP/HTTP (protobuf). Off unless
+/// `endpoint` is set; the W3C `traceparent` header is carried from a message
+/// to its cascades either way.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Telemetry {
+    /// The collector's OTLP/HTTP address, e.g. `"http://127.0.0.1:4318"` (`/v1/traces` is added
+    /// unless the URL already ends with it). Absent: no spans are made or sent.
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    /// The fraction of traces that start at this node which are kept, 0.0 to 1.0 (default 1.0).
+    /// A message whose `traceparent` arrives follows its publisher's decision.
+    #[serde(default = "defaults::sampling")]
+    pub sampling: f64,
+    /// `service.name` on every span (default `weir`).
+    #[serde(default = "defaults::service_name")]
+    pub service_name: String,
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            sampling: defaults::sampling(),
+            service_name: defaults::service_name(),
         }
     }
 }

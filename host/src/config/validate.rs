@@ -46,6 +46,7 @@ impl Config {
         self.validate_topologies(&mut errors, &mut warnings);
         self.validate_handlers(&mut errors);
         self.validate_tenants(&mut errors);
+        self.validate_telemetry(&mut errors);
         if errors.0.is_empty() {
             Ok(warnings)
         } else {
@@ -53,6 +54,44 @@ impl Config {
                 origin: self.origin.clone(),
                 issues: errors.0,
             })
+        }
+    }
+
+    fn validate_telemetry(&self, errors: &mut Issues) {
+        let t = &self.telemetry;
+        if !(0.0..=1.0).contains(&t.sampling) {
+            errors.add(
+                "telemetry.sampling",
+                format!("is {}; accepted: a fraction from 0.0 (none) to 1.0 (every trace)", t.sampling),
+            );
+        }
+        if t.service_name.trim().is_empty() {
+            errors.add("telemetry.service_name", "is empty; accepted: any non-empty name (default `weir`)");
+        }
+        if let Some(endpoint) = &t.endpoint {
+            let scheme_ok = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+            let parsed = endpoint.parse::<http::Uri>();
+            match parsed {
+                Ok(uri) if scheme_ok && uri.host().is_some_and(|h| !h.is_empty()) => {
+                    if endpoint.starts_with("https://") {
+                        errors.add(
+                            "telemetry.endpoint",
+                            format!(
+                                "{endpoint:?} uses https, which this build does not speak to collectors; \
+                                 accepted: an http:// OTLP/HTTP address such as \"http://127.0.0.1:4318\" \
+                                 (put a local collector or sidecar in front for TLS)"
+                            ),
+                        );
+                    }
+                }
+                _ => errors.add(
+                    "telemetry.endpoint",
+                    format!(
+                        "{endpoint:?} is not an OTLP/HTTP address; accepted: a URL such as \
+                         \"http://127.0.0.1:4318\" (the collector's OTLP/HTTP port)"
+                    ),
+                ),
+            }
         }
     }
 

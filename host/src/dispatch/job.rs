@@ -71,15 +71,20 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
         }
     };
     match routed {
-        Ok(handler) => Some((
-            env,
-            Pending {
-                acker,
-                source,
-                tag,
-                handler,
-            },
-        )),
+        Ok(handler) => {
+            let mut env = env;
+            let trace = crate::telemetry::receive(&mut env, &s.topology, s.slot, handler.name()).map(Box::new);
+            Some((
+                env,
+                Pending {
+                    acker,
+                    source,
+                    tag,
+                    handler,
+                    trace,
+                },
+            ))
+        }
         Err(why) => {
             let error = why.unwrap_or_else(|| {
                 format!(

@@ -18,6 +18,19 @@ pub enum FaultKind {
     Instantiate,
 }
 
+impl FaultKind {
+    /// Its name in traces: `trap`, `memory-limit`, `timeout`, `cancelled`, `instantiate`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultKind::Trap => "trap",
+            FaultKind::MemoryLimit => "memory-limit",
+            FaultKind::Timeout => "timeout",
+            FaultKind::Cancelled => "cancelled",
+            FaultKind::Instantiate => "instantiate",
+        }
+    }
+}
+
 /// A call that did not produce the guest's answer.
 #[derive(Debug, Clone)]
 pub struct Fault {

@@ -313,6 +313,7 @@ impl Executor {
             o.before(msg);
         }
         let metrics = &version.settings.metrics;
+        let span = crate::telemetry::call(msg, version.name(), &version.digest, None);
         metrics.enter();
         let started = Instant::now();
         let r = inst.bindings.call_handle(&mut inst.store, msg);
@@ -344,10 +345,18 @@ impl Executor {
                     self.cut_failure(&version.settings, f);
                 }
                 self.keep(version, inst);
+                let mut published = published;
+                traced(span, msg, &result, &mut published);
                 CallOutcome::Done { result, published }
             }
             // The instance is dropped here: its state may be corrupt.
-            Err(e) => CallOutcome::Fault(Self::fault(&mut inst, e)),
+            Err(e) => {
+                let fault = Self::fault(&mut inst, e);
+                if let Some(span) = span {
+                    span.end(fault.kind.as_str(), Some(&fault.detail));
+                }
+                CallOutcome::Fault(fault)
+            }
         }
     }
 
@@ -382,6 +391,7 @@ impl Executor {
             o.before_batch(batch);
         }
         let metrics = &version.settings.metrics;
+        let span = crate::telemetry::call(first, version.name(), &version.digest, Some(batch.len()));
         metrics.enter();
         let started = Instant::now();
         let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
@@ -391,7 +401,7 @@ impl Executor {
             o.after_batch(batch);
         }
         self.over_budget = Self::finish(&mut inst);
-        match r {
+        let mut outcome = match r {
             // Over the cascade byte budget: the members are replayed one by one, so the
             // budget lands on the member that exceeds it.
             Ok(_) if inst.store.data().cascade_refused.is_some() => {
@@ -424,7 +434,65 @@ impl Executor {
                 ),
             }),
             Err(e) => BatchOutcome::Fault(Self::fault(&mut inst, e)),
+        };
+        traced_batch(span, batch, &mut outcome);
+        outcome
+    }
+}
+
+/// End a call's span with its outcome and make it the parent of the
+/// cascades; with traces off, the cascades continue the message's trace.
+fn traced(
+    span: Option<crate::telemetry::Call>,
+    msg: &Envelope,
+    result: &Result<(), Failure>,
+    cascades: &mut [Outgoing],
+) {
+    match span {
+        Some(span) => {
+            span.parent_of(cascades.iter_mut().map(|o| &mut o.envelope));
+            let (outcome, error) = match result {
+                Ok(()) => ("ok", None),
+                Err(Failure::Retry(why)) => ("retry", Some(why.as_str())),
+                Err(Failure::Reject(why)) => ("reject", Some(why.as_str())),
+            };
+            span.end(outcome, error);
         }
+        None if !cascades.is_empty() => crate::telemetry::inherit(msg, cascades.iter_mut().map(|o| &mut o.envelope)),
+        None => {}
+    }
+}
+
+/// [`traced`] for a `handle-batch` call: its cascades are the batch span's
+/// children (or continue their member's trace when traces are off).
+fn traced_batch(span: Option<crate::telemetry::Call>, batch: &[Envelope], outcome: &mut BatchOutcome) {
+    match (span, outcome) {
+        (
+            span,
+            BatchOutcome::Done {
+                results,
+                published,
+                unattributed,
+            },
+        ) => match span {
+            Some(span) => {
+                let all = published.iter_mut().flatten().chain(unattributed.iter_mut());
+                span.parent_of(all.map(|o| &mut o.envelope));
+                let failed = results.iter().filter(|r| r.is_err()).count();
+                let error = (failed > 0).then(|| format!("{failed} of {} members failed", results.len()));
+                span.end(if failed == 0 { "ok" } else { "some-failed" }, error.as_deref());
+            }
+            None => {
+                for (member, out) in batch.iter().zip(published.iter_mut()).filter(|(_, o)| !o.is_empty()) {
+                    crate::telemetry::inherit(member, out.iter_mut().map(|o| &mut o.envelope));
+                }
+                if let Some(first) = batch.first().filter(|_| !unattributed.is_empty()) {
+                    crate::telemetry::inherit(first, unattributed.iter_mut().map(|o| &mut o.envelope));
+                }
+            }
+        },
+        (Some(span), BatchOutcome::Fault(f)) => span.end(f.kind.as_str(), Some(&f.detail)),
+        (None, BatchOutcome::Fault(_)) => {}
     }
 }
 

@@ -21,7 +21,13 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
     // confirm, retries, captures) may wait on the broker, so those settle
     // concurrently, each boxed so this future stays small.
     let mut slow = Vec::new();
-    for ((env, outcome), pend) in outcomes.into_iter().zip(pending) {
+    for ((mut env, outcome), mut pend) in outcomes.into_iter().zip(pending) {
+        // Traced: what is retried or dead-lettered carries the context it
+        // arrived with, and the settlement gets its span.
+        let trace = pend.trace.take().map(|t| {
+            t.restore(&mut env);
+            (t, std::time::SystemTime::now())
+        });
         match outcome {
             CallOutcome::Done {
                 result: Ok(()),
@@ -32,6 +38,9 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
                     tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
                 }
                 cx.record(Some(&pend.handler), &env.id, Outcome::Handled);
+                if let Some((t, started)) = trace {
+                    t.settled(Outcome::Handled, started);
+                }
             }
             outcome => {
                 slow.push(Box::pin(async move {
@@ -39,6 +48,9 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
                     let handler = pend.handler.clone();
                     let o = settle(cx, env, outcome, pend).await;
                     cx.record(Some(&handler), id.as_deref().unwrap_or_default(), o);
+                    if let Some((t, started)) = trace {
+                        t.settled(o, started);
+                    }
                 }));
             }
         }
@@ -74,6 +86,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
         source,
         tag,
         handler,
+        trace: _,
     } = pend;
     let (error, final_reason) = match outcome {
         CallOutcome::Done {

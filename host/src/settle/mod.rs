@@ -79,4 +79,6 @@ pub struct Pending {
     pub tag: u64,
     /// The handler version it was routed to.
     pub handler: Arc<HandlerVersion>,
+    /// Its `weir.receive` span, when traces are on ([`crate::telemetry`]).
+    pub trace: Option<Box<crate::telemetry::Received>>,
 }

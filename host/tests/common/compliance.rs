@@ -246,6 +246,7 @@ pub fn config_typed(
         topology: vec![t],
         handler: vec![h],
         tenant: Vec::new(),
+        telemetry: Default::default(),
         origin: "<compliance test>".into(),
     }
 }
