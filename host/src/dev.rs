@@ -571,7 +571,7 @@ impl Transport for DevTransport {
     }
 
     fn dead_letters(&self) -> Option<&dyn weir::transport::dead_letters::DeadLetterStore> {
-        self.inner.dead_letters()
+        Transport::dead_letters(self.inner.as_ref())
     }
 }
 
