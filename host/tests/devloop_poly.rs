@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::devloop::{compiled_cache, run, text, weir};
+use common::devloop::{compiled_cache, run, text};
 use common::http::{free_port, wait_up};
 use weir::config;
 use weir::envelope::{self, header};
@@ -23,6 +23,11 @@ use weir::node::{Node, NodeOptions};
 use weir::transport::memory::MemoryBroker;
 
 const TOKEN: &str = "devloop-poly-operator-token";
+
+/// `weir ARGS` in `dir`, with the toolchain and compiled-code caches kept across runs.
+fn weir(dir: &Path, args: &[&str]) -> std::process::Output {
+    common::devloop::weir(env!("CARGO_BIN_EXE_weir"), dir, args)
+}
 
 /// What differs between the languages.
 struct Lang {

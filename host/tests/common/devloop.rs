@@ -16,9 +16,10 @@ pub fn compiled_cache() -> PathBuf {
     cache_home().join("weir")
 }
 
-/// `weir ARGS` in `dir`, with the caches of [`cache_home`].
-pub fn weir(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_weir"))
+/// `bin ARGS` in `dir` (`bin`: `env!("CARGO_BIN_EXE_weir")`, which only the
+/// tests of `host/` have), with the caches of [`cache_home`].
+pub fn weir(bin: &str, dir: &Path, args: &[&str]) -> Output {
+    Command::new(bin)
         .args(args)
         .current_dir(dir)
         .env("XDG_CACHE_HOME", cache_home())
