@@ -121,6 +121,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
     let wasm = scaffold::build(&opts.dir, opts.offline)
         .with_context(|| format!("building {} before starting its node", opts.dir.display()))?;
     let project = Project {
+        lang: scaffold::detect(&opts.dir)?.lang,
         dir: opts.dir.canonicalize().unwrap_or_else(|_| opts.dir.clone()),
         name: wasm
             .file_stem()
@@ -278,9 +279,10 @@ pub fn typed_message(line: &str, fresh_id: &mut dyn FnMut() -> String) -> Result
     req.envelopes(fresh_id)
 }
 
-/// The project `weir dev` runs: its directory and name.
+/// The project `weir dev` runs: its language, directory and name.
 #[derive(Clone)]
 struct Project {
+    lang: scaffold::Lang,
     dir: PathBuf,
     name: String,
 }
@@ -292,7 +294,8 @@ const NOT_SOURCES: [&str; 6] = ["target", "node_modules", ".git", "__pycache__",
 impl Project {
     /// Is `path` a source whose change means a rebuild? Everything in the
     /// project but build output, dependencies, hidden files, components and
-    /// `weir.toml` (a config change needs a restart: said at start).
+    /// `weir.toml` (a config change needs a restart: said at start) that the
+    /// language's build reads ([`scaffold::Lang::is_source`]).
     fn is_source(&self, path: &Path) -> bool {
         let Ok(rel) = path.strip_prefix(&self.dir) else {
             return false;
@@ -311,6 +314,7 @@ impl Project {
             && !name.ends_with(".swp")
             && name != CONFIG_FILE
             && !rel.as_os_str().is_empty()
+            && self.lang.is_source(rel)
     }
 
     fn watched_label(&self) -> String {
@@ -603,6 +607,7 @@ mod tests {
     #[test]
     fn sources_are_what_a_build_reads() {
         let p = Project {
+            lang: scaffold::Lang::Rust,
             dir: PathBuf::from("/p"),
             name: "x".into(),
         };
@@ -628,6 +633,33 @@ mod tests {
         ] {
             assert!(!p.is_source(Path::new(no)), "{no}");
         }
+        let py = Project {
+            lang: scaffold::Lang::Python,
+            ..p.clone()
+        };
+        let js = Project {
+            lang: scaffold::Lang::Js,
+            ..p
+        };
+        for (project, yes, no) in [
+            (
+                &py,
+                ["/p/app.py", "/p/pyproject.toml", "/p/wit/handler.wit"],
+                "/p/README.md",
+            ),
+            (
+                &js,
+                ["/p/handler.js", "/p/package.json", "/p/wit/handler.wit"],
+                "/p/README.md",
+            ),
+        ] {
+            for yes in yes {
+                assert!(project.is_source(Path::new(yes)), "{yes}");
+            }
+            assert!(!project.is_source(Path::new(no)), "{no}");
+        }
+        assert!(!py.is_source(Path::new("/p/.greeter.wasm.part")));
+        assert!(!js.is_source(Path::new("/p/node_modules/x/index.js")));
     }
 
     #[test]

@@ -163,9 +163,10 @@ enum Command {
     },
     /// Make a handler project in `./NAME` from a template in this binary: the
     /// handler (decodes JSON, publishes a cascade, rejects bad input), a unit
-    /// test, the WIT and SDK it needs, a README.
+    /// test that runs natively, the WIT (and for Rust the SDK) it needs, a
+    /// `weir.toml` for `weir dev`, a README.
     New {
-        /// The language.
+        /// The language: rust, python, or js (alias: javascript).
         #[arg(value_enum)]
         lang: scaffold::Lang,
         /// The project, crate, component and handler name.
@@ -176,11 +177,17 @@ enum Command {
     },
     /// Build the handler project here (or in `--dir`) into `NAME.wasm`, with
     /// the language's toolchain; prints the component's path, size and digest.
+    /// Rust: cargo for wasm32-wasip2 (the target added with rustup when
+    /// missing). Python and JavaScript: componentize-py or ComponentizeJS,
+    /// installed on first use into `$XDG_CACHE_HOME/weir/toolchains/` (else
+    /// `~/.cache/weir/toolchains/`); needs python3 (or `$WEIR_PYTHON`) or
+    /// node and npm.
     Build {
         /// The project directory.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
-        /// Use only crates already downloaded (cargo --offline).
+        /// Use only what is already downloaded (cargo --offline, pip
+        /// --no-index with PIP_FIND_LINKS, npm --offline).
         #[arg(long)]
         offline: bool,
     },

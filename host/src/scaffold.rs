@@ -3,7 +3,17 @@
 //!
 //! The Rust template vendors the guest SDK (`weir-guest/`, its sources and
 //! the WIT it binds, taken from this binary), so a new project builds with
-//! nothing but the registries, before `weir-guest` is published.
+//! nothing but the registries, before `weir-guest` is published. The Python
+//! and JavaScript templates carry the WIT and a native test host; their
+//! toolchains (componentize-py, ComponentizeJS) are installed into a cache on
+//! first build ([`toolchain`]).
+//!
+//! A project is known by its manifest: `Cargo.toml` (Rust), `pyproject.toml`
+//! with a `[tool.weir]` table (Python), `package.json` with a `"weir"` key
+//! (JavaScript). `weir dev` finds the project and its sources through
+//! [`detect`].
+
+mod toolchain;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,6 +27,36 @@ use sha2::Digest as _;
 pub enum Lang {
     /// Rust with the `weir-guest` SDK, built for wasm32-wasip2.
     Rust,
+    /// Python, built with componentize-py (installed by `weir build`).
+    Python,
+    /// JavaScript, built with ComponentizeJS (installed by `weir build`).
+    #[value(alias = "javascript")]
+    Js,
+}
+
+impl Lang {
+    /// How the CLI names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lang::Rust => "rust",
+            Lang::Python => "python",
+            Lang::Js => "js",
+        }
+    }
+
+    /// Is `file` (relative to the project) something a build of this
+    /// language reads? `weir dev` rebuilds on a change of one. Rust: every
+    /// file (build scripts may read anything); Python and JavaScript: their
+    /// sources, their manifest and the WIT.
+    pub fn is_source(self, file: &Path) -> bool {
+        let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        match self {
+            Lang::Rust => true,
+            Lang::Python => matches!(ext, "py" | "wit") || name == "pyproject.toml",
+            Lang::Js => matches!(ext, "js" | "mjs" | "cjs" | "wit") || name == "package.json",
+        }
+    }
 }
 
 /// The SDK's version, as vendored.
@@ -44,6 +84,44 @@ const RUST: [(&str, &str); 9] = [
     ("weir-guest/wit/handler.wit", WIT),
 ];
 
+/// (path in the project, template); `{{name}}` and `{{componentize_py}}` are filled in.
+const PYTHON: [(&str, &str); 8] = [
+    (
+        "pyproject.toml",
+        include_str!("../templates/python/pyproject.toml.tmpl"),
+    ),
+    ("app.py", include_str!("../templates/python/app.py.tmpl")),
+    ("test_app.py", include_str!("../templates/python/test_app.py.tmpl")),
+    (
+        "weir_testing.py",
+        include_str!("../templates/python/weir_testing.py.tmpl"),
+    ),
+    ("README.md", include_str!("../templates/python/README.md.tmpl")),
+    (".gitignore", include_str!("../templates/python/gitignore.tmpl")),
+    ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
+    ("wit/handler.wit", WIT),
+];
+
+/// (path in the project, template); `{{name}}` and `{{componentize_js}}` are filled in.
+const JS: [(&str, &str); 10] = [
+    ("package.json", include_str!("../templates/js/package.json.tmpl")),
+    ("handler.js", include_str!("../templates/js/handler.js.tmpl")),
+    ("handler.test.js", include_str!("../templates/js/handler.test.js.tmpl")),
+    ("testing/host.js", include_str!("../templates/js/testing-host.js.tmpl")),
+    (
+        "testing/register.js",
+        include_str!("../templates/js/testing-register.js.tmpl"),
+    ),
+    (
+        "testing/hooks.js",
+        include_str!("../templates/js/testing-hooks.js.tmpl"),
+    ),
+    ("README.md", include_str!("../templates/js/README.md.tmpl")),
+    (".gitignore", include_str!("../templates/js/gitignore.tmpl")),
+    ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
+    ("wit/handler.wit", WIT),
+];
+
 /// A project name: what Cargo, PyPI and npm all accept.
 fn check_name(name: &str) -> anyhow::Result<()> {
     let ok = !name.is_empty()
@@ -68,8 +146,10 @@ pub fn new(lang: Lang, name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
     if root.exists() {
         bail!("{} already exists: choose another name or remove it", root.display());
     }
-    let files = match lang {
+    let files: &[(&str, &str)] = match lang {
         Lang::Rust => &RUST,
+        Lang::Python => &PYTHON,
+        Lang::Js => &JS,
     };
     for (path, template) in files {
         let file = root.join(path);
@@ -78,26 +158,62 @@ pub fn new(lang: Lang, name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
         }
         let text = template
             .replace("{{name}}", name)
-            .replace("{{sdk_version}}", SDK_VERSION);
+            .replace("{{sdk_version}}", SDK_VERSION)
+            .replace("{{componentize_py}}", toolchain::COMPONENTIZE_PY)
+            .replace("{{componentize_js}}", toolchain::COMPONENTIZE_JS);
         std::fs::write(&file, text).with_context(|| format!("writing {}", file.display()))?;
     }
-    println!("created {} ({lang:?} handler `{name}`):", root.display());
+    println!("created {} ({} handler `{name}`):", root.display(), lang.as_str());
     for (path, _) in files {
         println!("  {path}");
     }
+    let test = match lang {
+        Lang::Rust => "cargo test",
+        Lang::Python => "python3 -m unittest",
+        Lang::Js => "node --test",
+    };
     println!(
-        "next:\n  cd {}\n  weir build\n  weir call {name}.wasm --type greeting --payload '{{\"name\":\"Ada\"}}'",
+        "next:\n  cd {}\n  {test}\n  weir build\n  weir call {name}.wasm --type greeting --payload '{{\"name\":\"Ada\"}}'\n  weir dev",
         root.display()
     );
     Ok(root)
 }
 
-/// What kind of project `dir` is.
-fn detect(dir: &Path) -> anyhow::Result<(Lang, String)> {
+/// A handler project, as its manifest describes it.
+#[derive(Debug, Clone)]
+pub struct Project {
+    /// Its language.
+    pub lang: Lang,
+    /// Its name: the component is `NAME.wasm` in the project folder.
+    pub name: String,
+    /// Python: the module defining `WitWorld`; JavaScript: the source file.
+    entry: String,
+    /// The WIT folder, relative to the project.
+    wit: String,
+    /// The world the component targets.
+    world: String,
+}
+
+/// Read `file` as text.
+fn read(file: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))
+}
+
+/// A `[tool.weir]` / `"weir"` setting: the string given, else `default`.
+fn setting(value: Option<Option<&str>>, file: &Path, key: &str, default: &str) -> anyhow::Result<String> {
+    match value {
+        None => Ok(default.to_owned()),
+        Some(Some(v)) if !v.is_empty() => Ok(v.to_owned()),
+        Some(_) => bail!("{}: `{key}` must be a non-empty string", file.display()),
+    }
+}
+
+/// What kind of project `dir` is: the first of `Cargo.toml`, `pyproject.toml`
+/// with `[tool.weir]`, `package.json` with `"weir"`.
+pub fn detect(dir: &Path) -> anyhow::Result<Project> {
     let manifest = dir.join("Cargo.toml");
     if manifest.is_file() {
-        let text = std::fs::read_to_string(&manifest).with_context(|| format!("reading {}", manifest.display()))?;
-        let doc: toml::Table = text
+        let doc: toml::Table = read(&manifest)?
             .parse()
             .with_context(|| format!("{} is not valid TOML", manifest.display()))?;
         let name = doc
@@ -105,10 +221,100 @@ fn detect(dir: &Path) -> anyhow::Result<(Lang, String)> {
             .and_then(|p| p.get("name"))
             .and_then(|n| n.as_str())
             .with_context(|| format!("{} has no [package] name", manifest.display()))?;
-        return Ok((Lang::Rust, name.to_owned()));
+        return Ok(Project {
+            lang: Lang::Rust,
+            name: name.to_owned(),
+            entry: String::new(),
+            wit: String::new(),
+            world: String::new(),
+        });
     }
+    let mut unmarked = Vec::new();
+    let pyproject = dir.join("pyproject.toml");
+    if pyproject.is_file() {
+        let doc: toml::Table = read(&pyproject)?
+            .parse()
+            .with_context(|| format!("{} is not valid TOML", pyproject.display()))?;
+        if let Some(weir) = doc.get("tool").and_then(|t| t.get("weir")) {
+            let weir = weir
+                .as_table()
+                .with_context(|| format!("{}: [tool.weir] must be a table", pyproject.display()))?;
+            if let Some(key) = weir.keys().find(|k| !["module", "wit", "world"].contains(&k.as_str())) {
+                bail!(
+                    "{}: [tool.weir] has an unknown key `{key}` (known: module, wit, world)",
+                    pyproject.display()
+                );
+            }
+            let get = |key: &str, default: &str| {
+                setting(
+                    weir.get(key).map(|v| v.as_str()),
+                    &pyproject,
+                    &format!("tool.weir.{key}"),
+                    default,
+                )
+            };
+            let name = doc
+                .get("project")
+                .and_then(|p| p.get("name"))
+                .and_then(|n| n.as_str())
+                .with_context(|| format!("{} has no [project] name", pyproject.display()))?;
+            check_name(name).with_context(|| format!("{}: [project] name", pyproject.display()))?;
+            return Ok(Project {
+                lang: Lang::Python,
+                name: name.to_owned(),
+                entry: get("module", "app")?,
+                wit: get("wit", "wit")?,
+                world: get("world", "handler")?,
+            });
+        }
+        unmarked.push("pyproject.toml has no [tool.weir] table");
+    }
+    let package = dir.join("package.json");
+    if package.is_file() {
+        let doc: serde_json::Value = serde_json::from_str(&read(&package)?)
+            .with_context(|| format!("{} is not valid JSON", package.display()))?;
+        if let Some(weir) = doc.get("weir") {
+            let weir = weir
+                .as_object()
+                .with_context(|| format!("{}: \"weir\" must be an object", package.display()))?;
+            if let Some(key) = weir.keys().find(|k| !["source", "wit", "world"].contains(&k.as_str())) {
+                bail!(
+                    "{}: \"weir\" has an unknown key {key:?} (known: source, wit, world)",
+                    package.display()
+                );
+            }
+            let get = |key: &str, default: &str| {
+                setting(
+                    weir.get(key).map(|v| v.as_str()),
+                    &package,
+                    &format!("weir.{key}"),
+                    default,
+                )
+            };
+            let full = doc
+                .get("name")
+                .and_then(|n| n.as_str())
+                .with_context(|| format!("{} has no \"name\"", package.display()))?;
+            // `@scope/name` names the component `name`.
+            let name = full.rsplit('/').next().unwrap_or(full);
+            check_name(name).with_context(|| format!("{}: \"name\"", package.display()))?;
+            return Ok(Project {
+                lang: Lang::Js,
+                name: name.to_owned(),
+                entry: get("source", "handler.js")?,
+                wit: get("wit", "wit")?,
+                world: get("world", "handler")?,
+            });
+        }
+        unmarked.push("package.json has no \"weir\" key");
+    }
+    let found = if unmarked.is_empty() {
+        "no Cargo.toml, pyproject.toml or package.json".to_owned()
+    } else {
+        unmarked.join("; ")
+    };
     bail!(
-        "{} is not a handler project (no Cargo.toml); make one with `weir new rust NAME`",
+        "{} is not a handler project ({found}); make one with `weir new <rust|python|js> NAME`",
         dir.display()
     )
 }
@@ -151,12 +357,48 @@ fn ensure_wasm_target() -> anyhow::Result<()> {
     }
 }
 
-/// `weir build` in `dir`: the component, its path, size and digest.
+/// `weir build` in `dir`: the component, its path, size and digest. The
+/// component is written to `.NAME.wasm.part` and renamed to `NAME.wasm`, so
+/// a failed build leaves the last good one in place.
 pub fn build(dir: &Path, offline: bool) -> anyhow::Result<PathBuf> {
-    let (lang, name) = detect(dir)?;
+    let project = detect(dir)?;
+    let name = &project.name;
     let started = Instant::now();
+    eprintln!(
+        "weir build: building {} component {name} (in {}) …",
+        project.lang.as_str(),
+        dir.canonicalize().as_deref().unwrap_or(dir).display()
+    );
     let out = dir.join(format!("{name}.wasm"));
-    match lang {
+    let part = dir.join(format!(".{name}.wasm.part"));
+    let _ = std::fs::remove_file(&part);
+    let built = build_into(&project, dir, &part, offline);
+    if let Err(e) = built.and_then(|()| {
+        std::fs::rename(&part, &out).with_context(|| format!("renaming {} to {}", part.display(), out.display()))
+    }) {
+        let _ = std::fs::remove_file(&part);
+        return Err(e);
+    }
+    let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
+    let size = bytes.len() as f64;
+    let size = if size < 1024.0 * 1024.0 {
+        format!("{:.1} KiB", size / 1024.0)
+    } else {
+        format!("{:.1} MiB", size / (1024.0 * 1024.0))
+    };
+    println!(
+        "built {} ({size}, sha256 {}) in {:.1} s",
+        out.strip_prefix(".").unwrap_or(&out).display(),
+        hex::encode(sha2::Sha256::digest(&bytes)),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(out)
+}
+
+/// Build `project` into `part` with its language's toolchain.
+fn build_into(project: &Project, dir: &Path, part: &Path, offline: bool) -> anyhow::Result<()> {
+    let name = &project.name;
+    match project.lang {
         Lang::Rust => {
             ensure_wasm_target()?;
             eprintln!(
@@ -179,16 +421,87 @@ pub fn build(dir: &Path, offline: bool) -> anyhow::Result<PathBuf> {
             let built = target
                 .join("wasm32-wasip2/release")
                 .join(format!("{}.wasm", name.replace('-', "_")));
-            std::fs::copy(&built, &out).with_context(|| format!("copying {} to {}", built.display(), out.display()))?;
+            std::fs::copy(&built, part)
+                .with_context(|| format!("copying {} to {}", built.display(), part.display()))?;
+        }
+        Lang::Python => {
+            let componentize = toolchain::componentize_py(offline)?;
+            let module = dir.join(format!("{}.py", project.entry));
+            if !module.is_file() && !dir.join(&project.entry).join("__init__.py").is_file() {
+                bail!(
+                    "{}: [tool.weir] module = {:?}, and there is no {} (the module that defines `class WitWorld`)",
+                    dir.join("pyproject.toml").display(),
+                    project.entry,
+                    module.display()
+                );
+            }
+            eprintln!(
+                "weir build: componentize-py {}: module `{}` against {}/ (world `{}`) …",
+                toolchain::COMPONENTIZE_PY,
+                project.entry,
+                project.wit,
+                project.world
+            );
+            // Every path is given as it is (no current_dir): `dir` may be relative.
+            let mut cmd = Command::new(&componentize);
+            cmd.arg("--wit-path")
+                .arg(dir.join(&project.wit))
+                .args(["--world", &project.world, "--quiet", "componentize", "--python-path"])
+                .arg(dir)
+                .arg(&project.entry)
+                .arg("--output")
+                .arg(part);
+            toolchain::run(
+                &mut cmd,
+                "componentize-py",
+                "its message above says why (a Python error in the handler, or a WIT that does not match it)",
+            )?;
+        }
+        Lang::Js => {
+            let cli = toolchain::componentize_js(offline)?;
+            let source = dir.join(&project.entry);
+            if !source.is_file() {
+                bail!(
+                    "{}: \"weir\": {{ \"source\": {:?} }}, and there is no {}",
+                    dir.join("package.json").display(),
+                    project.entry,
+                    source.display()
+                );
+            }
+            eprintln!(
+                "weir build: ComponentizeJS {}: {} against {}/ (world `{}`) …",
+                toolchain::COMPONENTIZE_JS,
+                project.entry,
+                project.wit,
+                project.world
+            );
+            let mut cmd = Command::new("node");
+            cmd.arg(&cli)
+                .arg(&source)
+                .arg("--wit")
+                .arg(dir.join(&project.wit))
+                .args([
+                    "--world-name",
+                    &project.world,
+                    "--disable",
+                    "http",
+                    "fetch-event",
+                    "--out",
+                ])
+                .arg(part);
+            toolchain::run(
+                &mut cmd,
+                "ComponentizeJS",
+                "its message above says why (a JavaScript error in the handler, or exports that do not match the WIT)",
+            )?;
         }
     }
-    let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
-    println!(
-        "built {} ({:.1} KiB, sha256 {}) in {:.1} s",
-        out.display(),
-        bytes.len() as f64 / 1024.0,
-        hex::encode(sha2::Sha256::digest(&bytes)),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(out)
+    if !part.is_file() {
+        bail!(
+            "the {} toolchain reported success but wrote no {}",
+            project.lang.as_str(),
+            part.display()
+        );
+    }
+    Ok(())
 }

@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod compliance;
+pub mod devloop;
 pub mod http;
 pub mod nats;
 pub mod pg;

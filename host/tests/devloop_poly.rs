@@ -1,0 +1,337 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! Issue 18 in Python and JavaScript: from an empty folder outside the
+//! repository to a deployed handler, with nothing but the `weir` binary,
+//! python3 / node and the registries. `weir new` makes the project, its own
+//! unit tests run natively (`python3 -m unittest`, `node --test`) and fail
+//! when the handler stops rejecting bad input, `weir build` installs the
+//! toolchain into the cache (once: the cache is kept across runs) and makes
+//! the component, `weir call` runs it with a good and a bad payload, and a
+//! changed version is deployed with `weir deploy` to a running node, which
+//! then runs it.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::devloop::{compiled_cache, run, text};
+use common::http::{free_port, wait_up};
+use weir::config;
+use weir::envelope::{self, header};
+use weir::node::{Node, NodeOptions};
+use weir::transport::memory::MemoryBroker;
+
+const TOKEN: &str = "devloop-poly-operator-token";
+
+/// `weir ARGS` in `dir`, with the toolchain and compiled-code caches kept across runs.
+fn weir(dir: &Path, args: &[&str]) -> std::process::Output {
+    common::devloop::weir(env!("CARGO_BIN_EXE_weir"), dir, args)
+}
+
+/// What differs between the languages.
+struct Lang {
+    /// `weir new` LANG.
+    new: &'static str,
+    /// The files `weir new` must make.
+    files: &'static [&'static str],
+    /// The handler's source file.
+    source: &'static str,
+    /// The project's unit tests: program and arguments.
+    unit_test: (&'static str, &'static [&'static str]),
+    /// What the unit test runner prints when all passed.
+    passed: &'static str,
+    /// (from, to) in the source: the reject of a payload that is not JSON
+    /// turned into a success (the negative control of the unit test).
+    break_reject: (&'static str, &'static str),
+    /// (from, to) in the source: the default salutation changed.
+    change: (&'static str, &'static str),
+}
+
+const PYTHON: Lang = Lang {
+    new: "python",
+    files: &[
+        "pyproject.toml",
+        "app.py",
+        "test_app.py",
+        "weir_testing.py",
+        "wit/handler.wit",
+        "weir.toml",
+        "README.md",
+        ".gitignore",
+    ],
+    source: "app.py",
+    unit_test: ("python3", &["-m", "unittest"]),
+    passed: "OK",
+    break_reject: (r#"raise reject(f"payload of \"greeting\" is not JSON: {e}")"#, "return"),
+    change: (r#"or "Hello""#, r#"or "Howdy""#),
+};
+
+const JS: Lang = Lang {
+    new: "javascript",
+    files: &[
+        "package.json",
+        "handler.js",
+        "handler.test.js",
+        "testing/host.js",
+        "testing/register.js",
+        "testing/hooks.js",
+        "wit/handler.wit",
+        "weir.toml",
+        "README.md",
+        ".gitignore",
+    ],
+    source: "handler.js",
+    unit_test: ("node", &["--test"]),
+    passed: "# fail 0",
+    break_reject: (
+        r#"throw reject(`payload of "greeting" is not JSON: ${e.message}`);"#,
+        "return;",
+    ),
+    change: ("?? 'Hello'", "?? 'Howdy'"),
+};
+
+/// Replace `from` by `to` in `file`, which must contain it.
+fn edit(file: &Path, (from, to): (&str, &str)) {
+    let source = std::fs::read_to_string(file).unwrap();
+    assert!(source.contains(from), "{} has no {from:?}", file.display());
+    std::fs::write(file, source.replace(from, to)).unwrap();
+}
+
+/// Copy the files of a project (not its folders' build output) to `to`.
+fn copy_project(from: &Path, to: &Path, files: &[&str]) {
+    for f in files {
+        let dst = to.join(f);
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(from.join(f), dst).unwrap();
+    }
+}
+
+async fn from_an_empty_folder_to_a_running_node(lang: &Lang) {
+    let started = Instant::now();
+    let scratch = tempfile::tempdir().unwrap();
+    let root = scratch.path();
+    assert!(!root.starts_with(env!("CARGO_MANIFEST_DIR")), "outside the repository");
+
+    // weir new
+    let out = weir(root, &["new", lang.new, "greeter"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let project = root.join("greeter");
+    for f in lang.files {
+        assert!(project.join(f).is_file(), "weir new {} made no {f}", lang.new);
+    }
+    let wit = std::fs::read_to_string(project.join("wit/handler.wit")).unwrap();
+    assert!(wit.contains("package weir:handler@"), "{wit}");
+
+    // The project's own unit tests, natively.
+    let (program, args) = lang.unit_test;
+    let tests = run(&project, program, args);
+    assert!(
+        tests.status.success() && text(&tests).contains(lang.passed),
+        "{}",
+        text(&tests)
+    );
+    // Negative control: the same tests fail on a handler that takes a payload
+    // which is not JSON instead of rejecting it.
+    let broken = root.join("broken");
+    copy_project(&project, &broken, lang.files);
+    edit(&broken.join(lang.source), lang.break_reject);
+    let tests = run(&broken, program, args);
+    assert!(
+        !tests.status.success(),
+        "the unit tests pass on a handler that does not reject bad input:\n{}",
+        text(&tests)
+    );
+
+    // weir build: the toolchain (installed into the cache the first time), the component.
+    let out = weir(&project, &["build"]);
+    let built = text(&out);
+    assert!(out.status.success(), "{built}");
+    eprintln!("{built}");
+    assert!(
+        built.contains(&format!(
+            "building {} component greeter",
+            if lang.new == "python" { "python" } else { "js" }
+        )),
+        "{built}"
+    );
+    assert!(
+        built.contains("built ") && built.contains("greeter.wasm (") && built.contains(" MiB, sha256 "),
+        "{built}"
+    );
+    assert!(!project.join(".greeter.wasm.part").exists(), "the part file is left");
+    let wasm = project.join("greeter.wasm");
+    assert!(std::fs::metadata(&wasm).unwrap().len() > 1 << 20);
+
+    // A good payload: ok, the cascade, the log line.
+    let good = weir(
+        &project,
+        &[
+            "call",
+            "greeter.wasm",
+            "--type",
+            "greeting",
+            "--group",
+            "g-1",
+            "--payload",
+            r#"{"name":"Ada"}"#,
+        ],
+    );
+    let g = text(&good);
+    eprintln!("{g}");
+    assert_eq!(good.status.code(), Some(0), "{g}");
+    assert!(g.contains("outcome  ok"), "{g}");
+    assert!(
+        g.contains(r#"cascade  greeted  group g-1  {"name":"Ada","text":"Hello, Ada!"}"#),
+        "{g}"
+    );
+    assert!(g.contains("log      info   greeting Ada (attempt 1)"), "{g}");
+    // A bad one: rejected with the reason, nothing published, and not ok.
+    let bad = weir(
+        &project,
+        &["call", "greeter.wasm", "--type", "greeting", "--payload", "not json"],
+    );
+    let b = text(&bad);
+    eprintln!("{b}");
+    assert_eq!(bad.status.code(), Some(1), "{b}");
+    assert!(
+        b.contains(r#"outcome  reject: payload of "greeting" is not JSON: "#),
+        "{b}"
+    );
+    assert!(!b.contains("outcome  ok") && !b.contains("cascade"), "{b}");
+    let nameless = weir(
+        &project,
+        &[
+            "call",
+            "greeter.wasm",
+            "--type",
+            "greeting",
+            "--payload",
+            r#"{"name":" "}"#,
+        ],
+    );
+    assert!(
+        text(&nameless).contains("outcome  reject: a greeting needs a name"),
+        "{}",
+        text(&nameless)
+    );
+    // Config keys reach the guest.
+    let hi = weir(
+        &project,
+        &[
+            "call",
+            "greeter.wasm",
+            "--type",
+            "greeting",
+            "--config",
+            "salutation=Hi",
+            "--payload",
+            r#"{"name":"Bo"}"#,
+        ],
+    );
+    assert!(text(&hi).contains("Hi, Bo!"), "{}", text(&hi));
+
+    // A node runs the first build; a changed version is deployed to it.
+    let port = free_port();
+    let cfg = config::parse(
+        &format!(
+            r#"
+[node]
+name = "devloop-{lang}"
+admin = "127.0.0.1:{port}"
+admin_token = "{TOKEN}"
+[[topology]]
+name = "greeter"
+slots = 1
+[[handler]]
+name = "greeter"
+component = {wasm:?}
+topology = "greeter"
+message_types = ["greeting"]
+"#,
+            lang = lang.new,
+            wasm = wasm.display().to_string()
+        ),
+        "<devloop_poly test>",
+    )
+    .unwrap();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = Node::start(
+        &cfg,
+        mem.clone(),
+        NodeOptions {
+            workers: 1,
+            runtime: weir::runtime::RuntimeOptions {
+                cache_dir: Some(compiled_cache()),
+                ..weir::runtime::RuntimeOptions::default()
+            },
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    wait_up(port);
+    edit(&project.join(lang.source), lang.change);
+    let rebuilt = weir(&project, &["build"]);
+    assert!(rebuilt.status.success(), "{}", text(&rebuilt));
+    let admin = format!("http://127.0.0.1:{port}");
+    let deployed = weir(
+        &project,
+        &[
+            "deploy",
+            "--admin",
+            &admin,
+            "--token",
+            TOKEN,
+            "--handler",
+            "greeter",
+            "greeter.wasm",
+        ],
+    );
+    assert!(
+        deployed.status.success() && text(&deployed).contains("deployed: `greeter` now runs"),
+        "{}",
+        text(&deployed)
+    );
+
+    // The node runs the new version: its cascade (which nothing handles, so it
+    // is dead-lettered with its payload) says Howdy.
+    let msg = envelope::new_message(
+        "dev-1".into(),
+        "greeting",
+        Some("g".into()),
+        None,
+        vec![],
+        br#"{"name":"Cy"}"#.to_vec(),
+    );
+    node.publish("greeter", &msg).await.unwrap();
+    let start = Instant::now();
+    let greeted = loop {
+        let dead = mem.dead_letters("greeter");
+        if let Some(w) = dead.iter().find(|w| w.header(header::MESSAGE_TYPE) == Some("greeted")) {
+            break String::from_utf8_lossy(&w.body).into_owned();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no greeted cascade: {dead:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(greeted, r#"{"name":"Cy","text":"Howdy, Cy!"}"#);
+    node.shutdown().await.unwrap();
+    eprintln!(
+        "{}: from an empty folder to a running node in {:.1?}",
+        lang.new,
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_handler_from_an_empty_folder_to_a_running_node() {
+    from_an_empty_folder_to_a_running_node(&PYTHON).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_javascript_handler_from_an_empty_folder_to_a_running_node() {
+    from_an_empty_folder_to_a_running_node(&JS).await;
+}
