@@ -276,9 +276,16 @@ pub fn call(msg: &Envelope, handler: &str, digest: &str, batch: Option<usize>) -
         attributes.push(KeyValue::new("weir.tenant", t.to_owned()));
     }
     if let Some(n) = batch {
-        attributes.push(KeyValue::new("messaging.batch.message_count", i64::try_from(n).unwrap_or(i64::MAX)));
+        attributes.push(KeyValue::new(
+            "messaging.batch.message_count",
+            i64::try_from(n).unwrap_or(i64::MAX),
+        ));
     }
-    let name = if batch.is_some() { "weir.call-batch" } else { "weir.call" };
+    let name = if batch.is_some() {
+        "weir.call-batch"
+    } else {
+        "weir.call"
+    };
     let span = tracer
         .span_builder(name)
         .with_kind(SpanKind::Internal)

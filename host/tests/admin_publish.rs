@@ -25,8 +25,11 @@ const OPERATOR: &str = "publish-operator-token";
 const TENANT: &str = "publish-acme-token";
 
 /// Every message a guest was called with: (id, group, tenant).
+/// (message type, group, tenant) of a call.
+type Called = (String, Option<String>, Option<String>);
+
 #[derive(Default)]
-struct Seen(Mutex<Vec<(String, Option<String>, Option<String>)>>);
+struct Seen(Mutex<Vec<Called>>);
 
 impl CallObserver for Seen {
     fn before(&self, msg: &Envelope) {

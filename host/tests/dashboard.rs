@@ -117,21 +117,17 @@ message_types = ["ok"]
 
 /// The driver's next line (panics with what it said so far on EOF).
 fn next_line(lines: &mut impl Iterator<Item = std::io::Result<String>>, said: &mut Vec<String>) -> String {
-    loop {
-        match lines.next() {
-            Some(Ok(l)) => {
-                said.push(l.clone());
-                if l.starts_with("PAGEERROR") {
-                    panic!("the page threw: {l}\n{}", said.join("\n"));
-                }
-                if l.starts_with("FAIL") {
-                    panic!("the browser driver failed: {l}\n{}", said.join("\n"));
-                }
-                return l;
-            }
-            _ => panic!("the browser driver ended early:\n{}", said.join("\n")),
-        }
+    let Some(Ok(l)) = lines.next() else {
+        panic!("the browser driver ended early:\n{}", said.join("\n"));
+    };
+    said.push(l.clone());
+    if l.starts_with("PAGEERROR") {
+        panic!("the page threw: {l}\n{}", said.join("\n"));
     }
+    if l.starts_with("FAIL") {
+        panic!("the browser driver failed: {l}\n{}", said.join("\n"));
+    }
+    l
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,7 +191,10 @@ async fn the_dashboard_shows_a_slot_move_and_redrives_a_dead_letter_on_a_click()
     assert!(mem.dead_letters(TOPOLOGY).is_empty(), "the dead letter is still there");
     let start = std::time::Instant::now();
     while calls.of("dl-1").is_empty() {
-        assert!(start.elapsed() < Duration::from_secs(30), "the redriven message was never handled");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the redriven message was never handled"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(calls.of("dl-1")[0].attempt, 1, "a redrive starts again at attempt 1");
@@ -214,7 +213,11 @@ async fn the_dashboard_shows_a_slot_move_and_redrives_a_dead_letter_on_a_click()
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(status.success(), "{said:?}");
-    assert!(std::fs::metadata(&shot).unwrap().len() > 10_000, "no screenshot at {}", shot.display());
+    assert!(
+        std::fs::metadata(&shot).unwrap().len() > 10_000,
+        "no screenshot at {}",
+        shot.display()
+    );
     println!("dashboard screenshot: {}", shot.display());
 
     // A tenant's token: the same page, read-only (no redrive, no rollback).

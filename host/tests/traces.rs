@@ -49,7 +49,10 @@ fn receiver(port: u16) -> Arc<Mutex<Vec<Got>>> {
     let spans = Arc::new(Mutex::new(Vec::new()));
     let keep = spans.clone();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let app = axum::Router::new().route(
                 "/v1/traces",
@@ -82,7 +85,10 @@ fn receiver(port: u16) -> Arc<Mutex<Vec<Got>>> {
                             }
                         }
                         // An empty ExportTraceServiceResponse.
-                        ([(axum::http::header::CONTENT_TYPE, "application/x-protobuf")], Vec::<u8>::new())
+                        (
+                            [(axum::http::header::CONTENT_TYPE, "application/x-protobuf")],
+                            Vec::<u8>::new(),
+                        )
                     }
                 }),
             );
@@ -118,9 +124,19 @@ fn render(spans: &[Got]) -> String {
             ];
             let attrs: Vec<String> = keys
                 .iter()
-                .filter_map(|k| s.attributes.get(*k).map(|v| format!("{}={v}", k.rsplit('.').next().unwrap_or(k))))
+                .filter_map(|k| {
+                    s.attributes
+                        .get(*k)
+                        .map(|v| format!("{}={v}", k.rsplit('.').next().unwrap_or(k)))
+                })
                 .collect();
-            out.push_str(&format!("{}{} [{}] {}\n", "  ".repeat(depth), s.name, s.id, attrs.join(" ")));
+            out.push_str(&format!(
+                "{}{} [{}] {}\n",
+                "  ".repeat(depth),
+                s.name,
+                s.id,
+                attrs.join(" ")
+            ));
             walk(spans, &s.id, depth + 1, out);
         }
     }
@@ -164,7 +180,10 @@ fn present(s: &Got, key: &str) -> Result<(), String> {
 /// The trace the issue asks for, or what is wrong with it.
 fn check(spans: &[Got]) -> Result<(), String> {
     if let Some(s) = spans.iter().find(|s| s.trace != TRACE_ID) {
-        return Err(format!("{} [{}] is in trace {}, not the publisher's", s.name, s.id, s.trace));
+        return Err(format!(
+            "{} [{}] is in trace {}, not the publisher's",
+            s.name, s.id, s.trace
+        ));
     }
     if let Some(s) = spans.iter().find(|s| s.service != "weir-traces-test") {
         return Err(format!("{} has service.name {:?}", s.name, s.service));
@@ -250,7 +269,11 @@ message_types = ["publish", "ok", "retry"]
     );
     let mut cluster = Cluster::default();
     let node = cluster.start("traced", &config);
-    assert!(cluster.nodes[node].log().contains("exporting traces"), "{}", cluster.nodes[node].log());
+    assert!(
+        cluster.nodes[node].log().contains("exporting traces"),
+        "{}",
+        cluster.nodes[node].log()
+    );
 
     let body = serde_json::json!({
         "type": "publish",
@@ -290,7 +313,10 @@ message_types = ["publish", "ok", "retry"]
     let start = Instant::now();
     while {
         let r = cluster.report();
-        r.handled().len() < 2 || r.settled.get("traced-2").is_none_or(|(_, o)| !o.starts_with("dead-lettered"))
+        r.handled().len() < 2
+            || r.settled
+                .get("traced-2")
+                .is_none_or(|(_, o)| !o.starts_with("dead-lettered"))
     } {
         assert!(
             start.elapsed() < Duration::from_secs(60),
@@ -316,9 +342,10 @@ message_types = ["publish", "ok", "retry"]
         .unwrap()
         .id
         .clone();
-    for s in chained.iter_mut().filter(|s| {
-        s.name == "weir.receive" && s.attributes.get("weir.attempt").map(String::as_str) == Some("2")
-    }) {
+    for s in chained
+        .iter_mut()
+        .filter(|s| s.name == "weir.receive" && s.attributes.get("weir.attempt").map(String::as_str) == Some("2"))
+    {
         s.parent = first.clone();
     }
     assert!(check_retried(&chained).is_err(), "a chained retry must fail the check");
@@ -335,9 +362,10 @@ message_types = ["publish", "ok", "retry"]
         .unwrap()
         .id
         .clone();
-    for s in cut.iter_mut().filter(|s| {
-        s.name == "weir.receive" && s.attributes.get("weir.message_type").map(String::as_str) == Some("ok")
-    }) {
+    for s in cut
+        .iter_mut()
+        .filter(|s| s.name == "weir.receive" && s.attributes.get("weir.message_type").map(String::as_str) == Some("ok"))
+    {
         s.parent = first.clone();
     }
     let err = check(&cut).expect_err("a cut cascade link must fail the check");
@@ -353,7 +381,10 @@ fn a_bad_telemetry_table_stops_the_start_naming_the_key() {
     for (table, key) in [
         ("endpoint = \"not a url\"", "telemetry.endpoint"),
         ("endpoint = \"https://collector:4318\"", "telemetry.endpoint"),
-        ("endpoint = \"http://127.0.0.1:4318\"\nsampling = 1.5", "telemetry.sampling"),
+        (
+            "endpoint = \"http://127.0.0.1:4318\"\nsampling = 1.5",
+            "telemetry.sampling",
+        ),
         ("endpoint = \"http://127.0.0.1:4318\"\nsampels = 0.5", "sampels"),
     ] {
         let text = format!(

@@ -131,44 +131,6 @@ fn to_prometheus_text(open_metrics: &str) -> String {
     out
 }
 
-#[cfg(test)]
-mod format_tests {
-    use super::*;
-
-    #[test]
-    fn accept_headers_choose_the_format() {
-        assert_eq!(negotiate(None), Format::OpenMetrics);
-        assert_eq!(negotiate(Some("*/*")), Format::OpenMetrics);
-        assert_eq!(negotiate(Some("text/plain")), Format::Text);
-        assert_eq!(negotiate(Some("text/plain; version=0.0.4")), Format::Text);
-        assert_eq!(
-            negotiate(Some(
-                "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,\
-                 text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-            )),
-            Format::OpenMetrics
-        );
-        assert_eq!(
-            negotiate(Some("application/openmetrics-text;q=0.3, text/plain;q=0.9")),
-            Format::Text
-        );
-    }
-
-    #[test]
-    fn counters_and_infos_are_named_by_their_samples_in_text() {
-        let om = "# HELP weir_messages Messages.\n# TYPE weir_messages counter\nweir_messages_total{outcome=\"handled\"} 3\n\
-                  # HELP weir_v Version.\n# TYPE weir_v info\nweir_v_info{digest=\"x\"} 1\n\
-                  # HELP weir_slots Slots.\n# TYPE weir_slots gauge\n# UNIT weir_slots slots\nweir_slots 2\n# EOF\n";
-        let text = to_prometheus_text(om);
-        assert_eq!(
-            text,
-            "# HELP weir_messages_total Messages.\n# TYPE weir_messages_total counter\nweir_messages_total{outcome=\"handled\"} 3\n\
-             # HELP weir_v_info Version.\n# TYPE weir_v_info gauge\nweir_v_info{digest=\"x\"} 1\n\
-             # HELP weir_slots Slots.\n# TYPE weir_slots gauge\nweir_slots 2\n"
-        );
-    }
-}
-
 /// Reads the counters at scrape time.
 struct Scrape {
     handlers: Arc<crate::registry::Registry>,
@@ -425,16 +387,17 @@ impl Collector for Scrape {
             let mut topologies: Vec<(&String, &u32)> = self.topologies.iter().collect();
             topologies.sort();
             let probe = ConstGauge::new(0i64);
-            let mut m = encoder.encode_descriptor(
-                "topology_slots",
-                "Slots of each topology (the config's count).",
-                None,
-                probe.metric_type(),
-            )?;
-            for (t, n) in &topologies {
-                ConstGauge::new(i64::from(**n)).encode(m.encode_family(&[("topology", t.as_str())])?)?;
+            {
+                let mut m = encoder.encode_descriptor(
+                    "topology_slots",
+                    "Slots of each topology (the config's count).",
+                    None,
+                    probe.metric_type(),
+                )?;
+                for (t, n) in &topologies {
+                    ConstGauge::new(i64::from(**n)).encode(m.encode_family(&[("topology", t.as_str())])?)?;
+                }
             }
-            drop(m);
             let mut m = encoder.encode_descriptor(
                 "topology_slots_owned",
                 "Slots of each topology this node consumes now (summed over the nodes: below weir_topology_slots means some slot has no owner).",
@@ -472,5 +435,43 @@ impl Collector for Scrape {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    #[test]
+    fn accept_headers_choose_the_format() {
+        assert_eq!(negotiate(None), Format::OpenMetrics);
+        assert_eq!(negotiate(Some("*/*")), Format::OpenMetrics);
+        assert_eq!(negotiate(Some("text/plain")), Format::Text);
+        assert_eq!(negotiate(Some("text/plain; version=0.0.4")), Format::Text);
+        assert_eq!(
+            negotiate(Some(
+                "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,\
+                 text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+            )),
+            Format::OpenMetrics
+        );
+        assert_eq!(
+            negotiate(Some("application/openmetrics-text;q=0.3, text/plain;q=0.9")),
+            Format::Text
+        );
+    }
+
+    #[test]
+    fn counters_and_infos_are_named_by_their_samples_in_text() {
+        let om = "# HELP weir_messages Messages.\n# TYPE weir_messages counter\nweir_messages_total{outcome=\"handled\"} 3\n\
+                  # HELP weir_v Version.\n# TYPE weir_v info\nweir_v_info{digest=\"x\"} 1\n\
+                  # HELP weir_slots Slots.\n# TYPE weir_slots gauge\n# UNIT weir_slots slots\nweir_slots 2\n# EOF\n";
+        let text = to_prometheus_text(om);
+        assert_eq!(
+            text,
+            "# HELP weir_messages_total Messages.\n# TYPE weir_messages_total counter\nweir_messages_total{outcome=\"handled\"} 3\n\
+             # HELP weir_v_info Version.\n# TYPE weir_v_info gauge\nweir_v_info{digest=\"x\"} 1\n\
+             # HELP weir_slots Slots.\n# TYPE weir_slots gauge\nweir_slots 2\n"
+        );
     }
 }

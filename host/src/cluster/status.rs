@@ -72,7 +72,7 @@ impl SlotStatus {
     /// Nobody owns it and the broker counts no consumer (or cannot say):
     /// its messages wait.
     pub fn unowned(&self) -> bool {
-        self.owner.is_none() && !self.consumers.is_some_and(|c| c > 0)
+        self.owner.is_none() && self.consumers.is_none_or(|c| c == 0)
     }
 }
 

@@ -62,11 +62,17 @@ impl Config {
         if !(0.0..=1.0).contains(&t.sampling) {
             errors.add(
                 "telemetry.sampling",
-                format!("is {}; accepted: a fraction from 0.0 (none) to 1.0 (every trace)", t.sampling),
+                format!(
+                    "is {}; accepted: a fraction from 0.0 (none) to 1.0 (every trace)",
+                    t.sampling
+                ),
             );
         }
         if t.service_name.trim().is_empty() {
-            errors.add("telemetry.service_name", "is empty; accepted: any non-empty name (default `weir`)");
+            errors.add(
+                "telemetry.service_name",
+                "is empty; accepted: any non-empty name (default `weir`)",
+            );
         }
         if let Some(endpoint) = &t.endpoint {
             let scheme_ok = endpoint.starts_with("http://") || endpoint.starts_with("https://");

@@ -9,7 +9,7 @@ fn big_text(start: &str, n: usize) -> String {
     let mut s = String::with_capacity(n);
     s.push_str(start);
     while s.len() < n {
-        s.push_str(if s.len() % 64 == 0 { "\r\n" } else { "x" });
+        s.push_str(if s.len().is_multiple_of(64) { "\r\n" } else { "x" });
     }
     s.truncate(n);
     s
