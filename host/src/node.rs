@@ -291,6 +291,29 @@ async fn connect_database(config: &Config) -> anyhow::Result<Option<PgPool>> {
 /// Check every topology's retry schedule against the broker and declare it;
 /// the slot count of each, by name.
 async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
+    declare_each(config, transport)
+        .await
+        .map_err(|e| unreachable_broker(config, transport.system(), e))
+}
+
+/// A broker that cannot be reached at start: the error says which key of
+/// which file to check, before what the client saw.
+fn unreachable_broker(config: &Config, system: &str, e: anyhow::Error) -> anyhow::Error {
+    let down = e.chain().any(|c| {
+        c.downcast_ref::<TransportError>()
+            .is_some_and(|t| matches!(t.kind, crate::transport::ErrorKind::Connection))
+    });
+    if down {
+        e.context(format!(
+            "{}: transport.url: cannot reach {system} (is the broker running, and is the URL right?)",
+            config.origin
+        ))
+    } else {
+        e
+    }
+}
+
+async fn declare_each(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
     let mut topologies = HashMap::new();
     for (ti, t) in config.topology.iter().enumerate() {
         check_schedule_with_broker(config, ti, transport).await?;
