@@ -182,7 +182,8 @@ async fn target(common: &Common) -> anyhow::Result<Target> {
             retry: topo.retry_policy(cfg.transport.kind),
         })
         .await
-        .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))?;
+        .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))
+        .map_err(|e| node::unreachable_broker(&cfg, transport.system(), e))?;
     let (name, slots) = (topo.name.clone(), topo.slots);
     Ok(Target {
         cfg,

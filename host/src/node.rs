@@ -297,8 +297,9 @@ async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyho
 }
 
 /// A broker that cannot be reached at start: the error says which key of
-/// which file to check, before what the client saw.
-fn unreachable_broker(config: &Config, system: &str, e: anyhow::Error) -> anyhow::Error {
+/// which file to check, before what the client saw (`weir run`, `weir
+/// publish`, `weir dead-letters`).
+pub fn unreachable_broker(config: &Config, system: &str, e: anyhow::Error) -> anyhow::Error {
     let down = e.chain().any(|c| {
         c.downcast_ref::<TransportError>()
             .is_some_and(|t| matches!(t.kind, crate::transport::ErrorKind::Connection))

@@ -110,7 +110,8 @@ pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
             retry: topo.retry_policy(cfg.transport.kind),
         })
         .await
-        .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))?;
+        .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))
+        .map_err(|e| node::unreachable_broker(cfg, transport.system(), e))?;
 
     let bar = if req.count >= BAR_FROM {
         let bar = ProgressBar::new(req.count);

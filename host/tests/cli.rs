@@ -114,22 +114,31 @@ fn an_unreachable_coordinator_database_stops_the_start_with_the_key() {
 }
 
 #[test]
-fn a_broker_that_is_down_at_start_names_transport_url_and_the_file() {
+fn a_broker_that_is_down_names_transport_url_and_the_file() {
     for (kind, url) in [
         ("rabbitmq", "amqp://guest:secret@127.0.0.1:1/%2f"),
         ("nats", "nats://127.0.0.1:1"),
     ] {
         let f = write_config(&format!("[transport]\nkind = \"{kind}\"\nurl = \"{url}\"\n{GOOD}"));
         let path = f.path().to_str().unwrap();
-        let (code, _, err) = weir(&["run", "--config", path]);
-        assert_eq!(code, 1, "{kind}: {err}");
-        let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
-        assert!(
-            line.contains(&format!("{path}: transport.url: cannot reach {kind}")),
-            "{kind}: {err}"
-        );
-        assert!(line.contains("Connection refused"), "{kind}: the client's own reason: {err}");
-        assert!(!err.contains("secret"), "the password must not be printed: {err}");
+        for args in [
+            vec!["run", "--config", path],
+            vec!["publish", "--config", path, "--type", "order.placed", "--payload", "{}"],
+            vec!["dead-letters", "list", "--config", path],
+        ] {
+            let (code, _, err) = weir(&args);
+            assert_eq!(code, 1, "{kind} {args:?}: {err}");
+            let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+            assert!(
+                line.contains(&format!("{path}: transport.url: cannot reach {kind}")),
+                "{kind} {args:?}: {err}"
+            );
+            assert!(
+                line.contains("Connection refused"),
+                "{kind} {args:?}: the client's own reason: {err}"
+            );
+            assert!(!err.contains("secret"), "the password must not be printed: {err}");
+        }
     }
 }
 
