@@ -4,6 +4,7 @@
 //! transport that notes which queue delivered each message. Every test uses
 //! its own topology `t-<uuid8>` and deletes its queues and exchanges when it
 //! ends, also when it fails, so the tests run in parallel and repeatedly.
+//! `WEIR_TEST_QUEUE_TYPE=quorum` runs the suite on quorum queues.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -17,7 +18,7 @@ use futures::StreamExt as _;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use weir::config::TransportKind;
+use weir::config::{QueueType, TransportKind};
 use weir::envelope::{self, Envelope, header};
 use weir::outcome::Outcome;
 use weir::partition;
@@ -26,12 +27,26 @@ use weir::transport::rabbitmq::{RabbitMq, names};
 use common::compliance::{self, Harness, Subject};
 use common::rabbit::{Topo, url};
 
+/// The queue type the suite runs with: `WEIR_TEST_QUEUE_TYPE=quorum` runs it
+/// on quorum queues (`transport.queue_type`), classic otherwise.
+fn queue_type() -> QueueType {
+    match std::env::var("WEIR_TEST_QUEUE_TYPE").as_deref() {
+        Ok("quorum") => QueueType::Quorum,
+        Ok("classic") | Err(_) => QueueType::Classic,
+        Ok(other) => panic!("WEIR_TEST_QUEUE_TYPE={other:?}: accepted classic or quorum"),
+    }
+}
+
 /// A node on RabbitMQ for a fresh topology, deleted when the harness drops.
 async fn start(slots: u32, ladder: &[Duration], max_deliver: i64) -> Harness<Topo> {
     let topo = Topo::new(slots, ladder);
     let name = topo.name.clone();
     let subject = Subject {
-        transport: Arc::new(RabbitMq::new(url(), format!("weir node-{name}"))),
+        transport: Arc::new(RabbitMq::with_settings(
+            vec![url()],
+            format!("weir node-{name}"),
+            queue_type(),
+        )),
         kind: TransportKind::Rabbitmq,
         url: Some(url()),
     };
