@@ -18,35 +18,21 @@ use futures::StreamExt as _;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use weir::config::{QueueType, TransportKind};
+use weir::config::TransportKind;
 use weir::envelope::{self, Envelope, header};
 use weir::outcome::Outcome;
 use weir::partition;
-use weir::transport::rabbitmq::{RabbitMq, names};
+use weir::transport::rabbitmq::names;
 
 use common::compliance::{self, Harness, Subject};
 use common::rabbit::{Topo, url};
-
-/// The queue type the suite runs with: `WEIR_TEST_QUEUE_TYPE=quorum` runs it
-/// on quorum queues (`transport.queue_type`), classic otherwise.
-fn queue_type() -> QueueType {
-    match std::env::var("WEIR_TEST_QUEUE_TYPE").as_deref() {
-        Ok("quorum") => QueueType::Quorum,
-        Ok("classic") | Err(_) => QueueType::Classic,
-        Ok(other) => panic!("WEIR_TEST_QUEUE_TYPE={other:?}: accepted classic or quorum"),
-    }
-}
 
 /// A node on RabbitMQ for a fresh topology, deleted when the harness drops.
 async fn start(slots: u32, ladder: &[Duration], max_deliver: i64) -> Harness<Topo> {
     let topo = Topo::new(slots, ladder);
     let name = topo.name.clone();
     let subject = Subject {
-        transport: Arc::new(RabbitMq::with_settings(
-            vec![url()],
-            format!("weir node-{name}"),
-            queue_type(),
-        )),
+        transport: Arc::new(common::rabbit::transport(format!("weir node-{name}"))),
         kind: TransportKind::Rabbitmq,
         url: Some(url()),
     };
