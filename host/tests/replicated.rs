@@ -335,3 +335,47 @@ async fn nats_urls_fail_over_to_the_live_server() {
         .await
         .expect("published");
 }
+
+/// The config keys reach the transports: a TOML `url` list whose first URL
+/// is dead and `queue_type = "quorum"` give a RabbitMQ transport that
+/// declares quorum queues on the live broker; a NATS list the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_url_lists_and_queue_type_reach_the_transports() {
+    let topo = Topo::new(1, &[ms(400)]);
+    let text = format!(
+        r#"
+[transport]
+kind = "rabbitmq"
+url = ["{DEAD_AMQP}", "{live}"]
+queue_type = "quorum"
+[[topology]]
+name = "{name}"
+slots = 1
+[topology.retry]
+ladder = ["400ms"]
+max_deliver = 3
+"#,
+        live = url(),
+        name = topo.name,
+    );
+    let cfg = weir::config::parse(&text, "<replicated test>").expect("valid");
+    let t = weir::node::transport_for(&cfg).unwrap();
+    let mut spec = TopologySpec::new(&topo.name, 1);
+    spec.retry.ladder = vec![ms(400)];
+    t.declare(&spec).await.expect("declared through the second URL");
+    let types = queue_types(&topo.name);
+    assert_eq!(types.len(), 4, "{types:?}");
+    assert!(types.values().all(|t| t == "quorum"), "{types:?}");
+
+    let nats = common::nats::Topo::new();
+    let text = format!(
+        "[transport]\nkind = \"nats\"\nurl = [\"{DEAD_NATS}\", \"{live}\"]\n[[topology]]\nname = \"{name}\"\nslots = 1\n",
+        live = nats.url,
+        name = nats.name,
+    );
+    let cfg = weir::config::parse(&text, "<replicated test>").expect("valid");
+    let t = weir::node::transport_for(&cfg).unwrap();
+    t.declare(&TopologySpec::new(&nats.name, 1))
+        .await
+        .expect("declared through the second URL");
+}
