@@ -133,8 +133,9 @@ pub(crate) fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32) -> C
         },
         transport: config::Transport {
             kind: config::TransportKind::Nats,
-            url: Some(url.to_owned()),
+            url: Some(url.into()),
             prefetch,
+            ..Default::default()
         },
         cluster: config::Cluster::default(),
         topology: vec![t],

@@ -168,8 +168,9 @@ pub(crate) fn weir_config(url: &str, topo: &str, slots: u32, prefetch: u32, batc
         },
         transport: config::Transport {
             kind: config::TransportKind::Rabbitmq,
-            url: Some(url.to_owned()),
+            url: Some(url.into()),
             prefetch,
+            ..Default::default()
         },
         cluster: config::Cluster::default(),
         topology: vec![t],

@@ -141,27 +141,36 @@ pub fn transport_for(config: &Config) -> anyhow::Result<Arc<dyn Transport>> {
     match config.transport.kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
         TransportKind::Rabbitmq => {
-            let url = config.transport.url.as_deref().filter(|u| !u.is_empty()).with_context(|| {
-                format!(
+            let urls = config.transport.urls();
+            if urls.is_empty() {
+                anyhow::bail!(
                     "{}: transport.url is required for transport.kind = \"rabbitmq\", e.g. \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
                     config.origin
-                )
-            })?;
-            Ok(Arc::new(RabbitMq::new(url, format!("weir {}", config.node.name))))
+                );
+            }
+            Ok(Arc::new(RabbitMq::with_settings(
+                urls,
+                format!("weir {}", config.node.name),
+                config.transport.queue_type(),
+            )))
         }
         TransportKind::Nats => {
-            let url = config
-                .transport
-                .url
-                .as_deref()
-                .filter(|u| !u.is_empty())
-                .with_context(|| {
-                    format!(
-                        "{}: transport.url is required for transport.kind = \"nats\", e.g. \"nats://127.0.0.1:4222\"",
-                        config.origin
-                    )
-                })?;
-            Ok(Arc::new(Nats::new(url, format!("weir {}", config.node.name))))
+            let urls = config.transport.urls();
+            if urls.is_empty() {
+                anyhow::bail!(
+                    "{}: transport.url is required for transport.kind = \"nats\", e.g. \"nats://127.0.0.1:4222\"",
+                    config.origin
+                );
+            }
+            let options = crate::transport::nats::NatsOptions {
+                replicas: config.transport.replicas(),
+                ..Default::default()
+            };
+            Ok(Arc::new(Nats::with_urls(
+                urls,
+                format!("weir {}", config.node.name),
+                options,
+            )))
         }
     }
 }

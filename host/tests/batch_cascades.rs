@@ -138,8 +138,9 @@ fn config(on: &On, guest: Guest) -> Config {
         },
         transport: config::Transport {
             kind: on.kind,
-            url: on.url.clone(),
+            url: on.url.clone().map(Into::into),
             prefetch: 64,
+            ..Default::default()
         },
         cluster: config::Cluster::default(),
         topology: vec![t],

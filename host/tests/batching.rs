@@ -104,8 +104,9 @@ fn config(on: &On, size: u32, linger: Duration, max_groups: u32, prefetch: u32) 
         },
         transport: config::Transport {
             kind: on.kind,
-            url: on.url.clone(),
+            url: on.url.clone().map(Into::into),
             prefetch,
+            ..Default::default()
         },
         cluster: config::Cluster::default(),
         topology: vec![t],

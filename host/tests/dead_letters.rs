@@ -18,7 +18,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use futures::StreamExt as _;
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
 use parking_lot::Mutex;
@@ -32,7 +33,6 @@ use weir::settle::capture::{Captured, Provenance, dead_letter_wire};
 use weir::transport::dead_letters::DeadLetter;
 use weir::transport::memory::MemoryBroker;
 use weir::transport::nats::Nats;
-use weir::transport::rabbitmq::RabbitMq;
 use weir::transport::{TopologySpec, Transport};
 
 use common::http::{call, digest, free_port, variant, wait_up};
@@ -63,7 +63,7 @@ impl Setup {
         let (name, transport, guard): (String, Arc<dyn Transport>, Box<dyn std::any::Any + Send>) = match broker {
             Broker::Rabbit => {
                 let topo = common::rabbit::Topo::new(SLOTS, &ladder);
-                let t = Arc::new(RabbitMq::new(common::rabbit::url(), "dlq-test"));
+                let t = Arc::new(common::rabbit::transport("dlq-test"));
                 (topo.name.clone(), t, Box::new(topo))
             }
             Broker::Nats => {
@@ -109,6 +109,7 @@ name = "dlq-{name}"
 kind = "{kind}"
 url = "{url}"
 prefetch = 32
+{queue_type}
 [[topology]]
 name = "{name}"
 slots = {SLOTS}
@@ -125,6 +126,10 @@ message_types = {types:?}
             name = self.name,
             kind = self.kind(),
             url = self.url(),
+            queue_type = match self.broker {
+                Broker::Rabbit => format!("queue_type = \"{}\"", common::rabbit::queue_type()),
+                Broker::Nats => String::new(),
+            },
             faulty = bundled::FAULTY_PATH,
         )
     }
@@ -199,13 +204,39 @@ message_types = {types:?}
                 let ch = conn.create_channel().await.unwrap();
                 for slot in 0..SLOTS {
                     let q = format!("weir.{}.{slot}", self.name);
-                    while let Some(m) = ch
-                        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+                    // A consumer, not basic.get: quorum queues with single
+                    // active consumer refuse basic.get (RESOURCE_LOCKED).
+                    let passive = QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    };
+                    let ready = ch
+                        .queue_declare(q.as_str().into(), passive, FieldTable::default())
                         .await
                         .unwrap()
-                    {
-                        let headers = m
-                            .delivery
+                        .message_count();
+                    if ready == 0 {
+                        continue;
+                    }
+                    let mut consumer = ch
+                        .basic_consume(
+                            q.as_str().into(),
+                            "".into(),
+                            BasicConsumeOptions {
+                                no_ack: true,
+                                ..BasicConsumeOptions::default()
+                            },
+                            FieldTable::default(),
+                        )
+                        .await
+                        .unwrap();
+                    for _ in 0..ready {
+                        let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+                            .await
+                            .expect("a ready message is delivered")
+                            .unwrap()
+                            .unwrap();
+                        let headers = delivery
                             .properties
                             .headers()
                             .as_ref()
@@ -223,9 +254,12 @@ message_types = {types:?}
                             .unwrap_or_default();
                         out.push(Wire {
                             headers,
-                            body: m.delivery.data,
+                            body: delivery.data,
                         });
                     }
+                    ch.basic_cancel(consumer.tag().as_str().into(), Default::default())
+                        .await
+                        .unwrap();
                 }
                 let _ = conn.close(200, "".into()).await;
             }

@@ -524,6 +524,7 @@ async fn slow_call_is_kept_alive_and_the_floor_monitor_sees_the_stall() {
     let options = NatsOptions {
         floor_poll: ms(200),
         floor_warn_after: Some(secs(1)),
+        ..NatsOptions::default()
     };
     let mut h = start_on(Topo::new(), options, 2, &[secs(1)], 3).await;
     // Both pollers have read their consumer: idle (nothing delivered past

@@ -4,6 +4,7 @@
 //! transport that notes which queue delivered each message. Every test uses
 //! its own topology `t-<uuid8>` and deletes its queues and exchanges when it
 //! ends, also when it fails, so the tests run in parallel and repeatedly.
+//! `WEIR_TEST_QUEUE_TYPE=quorum` runs the suite on quorum queues.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -21,7 +22,7 @@ use weir::config::TransportKind;
 use weir::envelope::{self, Envelope, header};
 use weir::outcome::Outcome;
 use weir::partition;
-use weir::transport::rabbitmq::{RabbitMq, names};
+use weir::transport::rabbitmq::names;
 
 use common::compliance::{self, Harness, Subject};
 use common::rabbit::{Topo, url};
@@ -31,7 +32,7 @@ async fn start(slots: u32, ladder: &[Duration], max_deliver: i64) -> Harness<Top
     let topo = Topo::new(slots, ladder);
     let name = topo.name.clone();
     let subject = Subject {
-        transport: Arc::new(RabbitMq::new(url(), format!("weir node-{name}"))),
+        transport: Arc::new(common::rabbit::transport(format!("weir node-{name}"))),
         kind: TransportKind::Rabbitmq,
         url: Some(url()),
     };

@@ -5,6 +5,10 @@ use std::time::Duration;
 
 /// `transport.prefetch`: RabbitMQ prefetch / JetStream max-ack-pending per slot.
 pub const PREFETCH: u32 = 256;
+/// `transport.replicas`: one replica per stream, as before the key existed.
+pub const REPLICAS: usize = 1;
+/// The most replicas a JetStream stream may have.
+pub const REPLICAS_MAX: usize = 5;
 /// `cluster.lease`.
 pub const LEASE: Duration = Duration::from_secs(5);
 /// `cluster.drain_deadline` when not set: 25 s (below the 30 s a

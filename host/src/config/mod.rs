@@ -34,6 +34,7 @@ pub use units::ByteSize;
 use units::{de_duration, de_duration_list, de_duration_opt};
 
 use crate::retry::schedule::{Redelivery, RetryPolicy, Schedule};
+pub use crate::transport::rabbitmq::QueueType;
 
 /// A whole config file.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -246,13 +247,26 @@ pub struct Transport {
     /// The broker: `memory`, `rabbitmq` or `nats` (JetStream).
     #[serde(default)]
     pub kind: TransportKind,
-    /// Broker URL; required for `rabbitmq` (`amqp://…`) and `nats` (`nats://…`).
+    /// Broker URL, or a list of them (the nodes of a cluster); required for `rabbitmq`
+    /// (`amqp://…`) and `nats` (`nats://…`). RabbitMQ: tried in order on every connect and
+    /// reconnect. NATS: tried in order at start, then async-nats fails over between them (and
+    /// the servers the cluster announces). Passwords are never shown in logs or errors.
     #[serde(default)]
-    pub url: Option<String>,
+    pub url: Option<Urls>,
     /// Unacknowledged messages a node may hold per slot subscription: RabbitMQ prefetch,
     /// JetStream max-ack-pending. The back-pressure bound.
     #[serde(default = "defaults::prefetch")]
     pub prefetch: u32,
+    /// RabbitMQ only: `classic` (default) or `quorum`, the type of every queue Weir declares
+    /// (slot, ingress, dead-letter, retry rungs). Quorum queues are replicated; with a retry
+    /// ladder they need RabbitMQ 3.10 or later (message TTL and at-least-once dead-lettering),
+    /// checked against the server at start. Existing queues of the other type are refused.
+    #[serde(default)]
+    pub queue_type: Option<QueueType>,
+    /// NATS only: the replicas of every stream Weir creates (1 to 5, default 1); more than the
+    /// JetStream cluster has servers is refused at start.
+    #[serde(default)]
+    pub replicas: Option<usize>,
 }
 
 impl Default for Transport {
@@ -261,7 +275,68 @@ impl Default for Transport {
             kind: TransportKind::default(),
             url: None,
             prefetch: defaults::PREFETCH,
+            queue_type: None,
+            replicas: None,
         }
+    }
+}
+
+impl Transport {
+    /// The URLs of `transport.url`, trimmed, empty ones left out.
+    pub fn urls(&self) -> Vec<String> {
+        self.url.as_ref().map(Urls::list).unwrap_or_default()
+    }
+
+    /// `transport.queue_type`, defaulted.
+    pub fn queue_type(&self) -> QueueType {
+        self.queue_type.unwrap_or_default()
+    }
+
+    /// `transport.replicas`, defaulted.
+    pub fn replicas(&self) -> usize {
+        self.replicas.unwrap_or(defaults::REPLICAS)
+    }
+}
+
+/// `transport.url`: one URL, or a list of them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Urls {
+    /// `url = "amqp://…"`.
+    One(String),
+    /// `url = ["amqp://a…", "amqp://b…"]`.
+    Many(Vec<String>),
+}
+
+impl Urls {
+    /// Every URL, trimmed, empty ones left out.
+    pub fn list(&self) -> Vec<String> {
+        let all: Vec<&String> = match self {
+            Urls::One(u) => vec![u],
+            Urls::Many(v) => v.iter().collect(),
+        };
+        all.into_iter()
+            .map(|u| u.trim().to_owned())
+            .filter(|u| !u.is_empty())
+            .collect()
+    }
+}
+
+impl From<String> for Urls {
+    fn from(u: String) -> Self {
+        Urls::One(u)
+    }
+}
+
+impl From<&str> for Urls {
+    fn from(u: &str) -> Self {
+        Urls::One(u.to_owned())
+    }
+}
+
+impl From<Vec<String>> for Urls {
+    fn from(v: Vec<String>) -> Self {
+        Urls::Many(v)
     }
 }
 

@@ -857,3 +857,98 @@ fn section_lookup_follows_arrays_of_tables() {
     assert_eq!(at("y=2").as_deref(), Some("handler[1]"));
     assert_eq!(section_at("a = 1\n", 0), None);
 }
+
+fn with_transport(transport: &str) -> String {
+    base("").replace("[[topology]]", &format!("[transport]\n{transport}\n[[topology]]"))
+}
+
+#[test]
+fn url_is_one_string_or_a_list_and_every_url_is_checked() {
+    let c = parse(
+        &with_transport("kind = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\""),
+        "<inline>",
+    )
+    .expect("one string is the contract");
+    assert_eq!(
+        c.transport.urls(),
+        vec!["amqp://guest:guest@127.0.0.1:5672/%2f".to_owned()]
+    );
+    let c = parse(
+        &with_transport("kind = \"nats\"\nurl = [\"nats://127.0.0.1:1\", \" nats://127.0.0.1:4222 \"]"),
+        "<inline>",
+    )
+    .expect("a list");
+    assert_eq!(
+        c.transport.urls(),
+        vec!["nats://127.0.0.1:1".to_owned(), "nats://127.0.0.1:4222".to_owned()]
+    );
+    assert_one(&with_transport("kind = \"nats\"\nurl = []"), "transport.url", "nats://");
+    assert_one(
+        &with_transport("kind = \"rabbitmq\"\nurl = [\"\"]"),
+        "transport.url",
+        "amqp://",
+    );
+    // A bad URL of a list is named, with its password hidden.
+    let e = parse(
+        &with_transport("kind = \"rabbitmq\"\nurl = [\"amqp://h/%2f\", \"http://u:secret@h\"]"),
+        "<inline>",
+    )
+    .expect_err("not AMQP");
+    let text = e.to_string();
+    assert!(text.contains("transport.url") && text.contains("amqps://"), "{text}");
+    assert!(!text.contains("secret"), "the password is shown: {text}");
+}
+
+#[test]
+fn queue_type_is_classic_by_default_and_quorum_on_request() {
+    let c = parse(
+        &with_transport("kind = \"rabbitmq\"\nurl = \"amqp://h/%2f\""),
+        "<inline>",
+    )
+    .expect("valid");
+    assert_eq!(c.transport.queue_type(), QueueType::Classic);
+    let c = parse(
+        &with_transport("kind = \"rabbitmq\"\nurl = \"amqp://h/%2f\"\nqueue_type = \"quorum\""),
+        "<inline>",
+    )
+    .expect("valid");
+    assert_eq!(c.transport.queue_type(), QueueType::Quorum);
+    let e = parse(
+        &with_transport("kind = \"rabbitmq\"\nurl = \"amqp://h/%2f\"\nqueue_type = \"stream\""),
+        "<inline>",
+    )
+    .expect_err("not a queue type");
+    assert!(e.to_string().contains("queue_type"), "{e}");
+}
+
+#[test]
+fn queue_type_is_for_rabbitmq_and_replicas_for_nats() {
+    assert_one(
+        &with_transport("kind = \"nats\"\nurl = \"nats://h\"\nqueue_type = \"quorum\""),
+        "transport.queue_type",
+        "rabbitmq",
+    );
+    assert_one(
+        &with_transport("kind = \"rabbitmq\"\nurl = \"amqp://h/%2f\"\nreplicas = 3"),
+        "transport.replicas",
+        "quorum",
+    );
+    assert_one(
+        &with_transport("kind = \"nats\"\nurl = \"nats://h\"\nreplicas = 0"),
+        "transport.replicas",
+        "1 to 5",
+    );
+    assert_one(
+        &with_transport("kind = \"nats\"\nurl = \"nats://h\"\nreplicas = 7"),
+        "transport.replicas",
+        "1 to 5",
+    );
+    let c = parse(
+        &with_transport("kind = \"nats\"\nurl = \"nats://h\"\nreplicas = 3"),
+        "<inline>",
+    )
+    .expect("valid");
+    assert_eq!(c.transport.replicas(), 3);
+    let c = parse(&with_transport("kind = \"nats\"\nurl = \"nats://h\""), "<inline>").expect("valid");
+    assert_eq!(c.transport.replicas(), 1);
+}

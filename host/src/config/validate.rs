@@ -160,26 +160,70 @@ impl Config {
         }
         let t = &self.transport;
         let kind = t.kind.as_str();
-        match (t.kind, t.url.as_deref().map(str::trim)) {
-            (TransportKind::Rabbitmq, None | Some("")) => errors.add(
+        let urls = t.urls();
+        let shown = |u: &str| crate::transport::redact_url(u);
+        match t.kind {
+            TransportKind::Rabbitmq if urls.is_empty() => errors.add(
                 "transport.url",
-                "is required for kind = \"rabbitmq\", e.g. url = \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
+                "is required for kind = \"rabbitmq\", e.g. url = \"amqp://guest:guest@127.0.0.1:5672/%2f\" \
+                 (or a list of the cluster's nodes)",
             ),
-            (TransportKind::Rabbitmq, Some(url)) if !(url.starts_with("amqp://") || url.starts_with("amqps://")) => {
-                errors.add(
-                    "transport.url",
-                    format!("{url:?} is not an AMQP URL; accepted: amqp://… or amqps://…"),
-                )
+            TransportKind::Rabbitmq => {
+                for url in urls.iter().filter(|u| !(u.starts_with("amqp://") || u.starts_with("amqps://"))) {
+                    errors.add(
+                        "transport.url",
+                        format!("{:?} is not an AMQP URL; accepted: amqp://… or amqps://…", shown(url)),
+                    );
+                }
             }
-            (TransportKind::Nats, None | Some("")) => errors.add(
+            TransportKind::Nats if urls.is_empty() => errors.add(
                 "transport.url",
-                "is required for kind = \"nats\", e.g. url = \"nats://127.0.0.1:4222\"",
+                "is required for kind = \"nats\", e.g. url = \"nats://127.0.0.1:4222\" (or a list of the cluster's servers)",
             ),
-            (TransportKind::Memory, Some(_)) => warnings.push(Violation {
+            TransportKind::Memory if t.url.is_some() => warnings.push(Violation {
                 key: "transport.url".into(),
                 message: "is ignored by kind = \"memory\"".into(),
             }),
             _ => {}
+        }
+        if let Some(q) = t.queue_type
+            && t.kind != TransportKind::Rabbitmq
+        {
+            errors.add(
+                "transport.queue_type",
+                format!(
+                    "= {:?} applies to kind = \"rabbitmq\" only, not {kind:?}; remove it{}",
+                    q.as_str(),
+                    if t.kind == TransportKind::Nats {
+                        " (NATS streams are replicated with transport.replicas)"
+                    } else {
+                        ""
+                    }
+                ),
+            );
+        }
+        if let Some(r) = t.replicas {
+            if t.kind != TransportKind::Nats {
+                errors.add(
+                    "transport.replicas",
+                    format!(
+                        "= {r} applies to kind = \"nats\" only, not {kind:?}; remove it{}",
+                        if t.kind == TransportKind::Rabbitmq {
+                            " (RabbitMQ queues are replicated with transport.queue_type = \"quorum\")"
+                        } else {
+                            ""
+                        }
+                    ),
+                );
+            } else if !(1..=defaults::REPLICAS_MAX).contains(&r) {
+                errors.add(
+                    "transport.replicas",
+                    format!(
+                        "= {r} is out of range; accepted: 1 to {} (JetStream's limit)",
+                        defaults::REPLICAS_MAX
+                    ),
+                );
+            }
         }
         if t.prefetch == 0 {
             errors.add(

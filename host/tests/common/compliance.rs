@@ -239,8 +239,9 @@ pub fn config_typed(
         },
         transport: config::Transport {
             kind: subject.kind,
-            url: subject.url.clone(),
+            url: subject.url.clone().map(Into::into),
             prefetch: 64,
+            ..Default::default()
         },
         cluster: config::Cluster::default(),
         topology: vec![t],

@@ -5,12 +5,28 @@ use std::time::Duration;
 
 use lapin::options::QueueDeleteOptions;
 use lapin::{Connection, ConnectionProperties};
+use weir::config::QueueType;
 use weir::transport::TopologySpec;
 use weir::transport::rabbitmq::{self, names};
 
 /// The broker the tests use (override with WEIR_TEST_AMQP_URL).
 pub fn url() -> String {
     std::env::var("WEIR_TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// The queue type the RabbitMQ suites run with: `WEIR_TEST_QUEUE_TYPE=quorum`
+/// runs them on quorum queues (`transport.queue_type`), classic otherwise.
+pub fn queue_type() -> QueueType {
+    match std::env::var("WEIR_TEST_QUEUE_TYPE").as_deref() {
+        Ok("quorum") => QueueType::Quorum,
+        Ok("classic") | Err(_) => QueueType::Classic,
+        Ok(other) => panic!("WEIR_TEST_QUEUE_TYPE={other:?}: accepted classic or quorum"),
+    }
+}
+
+/// A transport on the test broker with [`queue_type`], named `name`.
+pub fn transport(name: impl Into<String>) -> rabbitmq::RabbitMq {
+    rabbitmq::RabbitMq::with_settings(vec![url()], name, queue_type())
 }
 
 /// A topology of this test; its broker objects are deleted on drop.

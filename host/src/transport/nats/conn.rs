@@ -47,6 +47,10 @@ pub struct NatsOptions {
     /// plus `AckWait`, at least a minute), since a message on the ladder
     /// holds the floor legitimately that long.
     pub floor_warn_after: Option<Duration>,
+    /// `transport.replicas`: the replicas of every stream Weir creates (the
+    /// work and dead-letter streams, the failure-count bucket). Checked
+    /// against the cluster's size before anything is created.
+    pub replicas: usize,
 }
 
 impl Default for NatsOptions {
@@ -54,6 +58,7 @@ impl Default for NatsOptions {
         Self {
             floor_poll: Duration::from_secs(5),
             floor_warn_after: None,
+            replicas: 1,
         }
     }
 }
@@ -67,7 +72,8 @@ pub(super) struct Conn {
 }
 
 pub(super) struct Inner {
-    pub(super) url: String,
+    /// The servers (a cluster's nodes); async-nats fails over between them.
+    pub(super) urls: Vec<String>,
     pub(super) name: String,
     pub(super) options: NatsOptions,
     pub(super) conn: tokio::sync::Mutex<Option<Conn>>,
@@ -92,9 +98,16 @@ impl Nats {
 
     /// [`Nats::new`] with options.
     pub fn with_options(url: impl Into<String>, name: impl Into<String>, options: NatsOptions) -> Self {
+        Self::with_urls(vec![url.into()], name, options)
+    }
+
+    /// A transport for a server reachable at any of `urls` (the nodes of a
+    /// cluster, tried in the order given; async-nats then reconnects to any
+    /// of them, and to the servers the cluster tells it about).
+    pub fn with_urls(urls: Vec<String>, name: impl Into<String>, options: NatsOptions) -> Self {
         Self {
             inner: Arc::new(Inner {
-                url: url.into(),
+                urls,
                 name: name.into(),
                 options,
                 conn: tokio::sync::Mutex::new(None),
@@ -117,7 +130,7 @@ impl Nats {
         if let Some(c) = guard.as_ref() {
             return Ok(c.clone());
         }
-        let shown = redact_url(&self.inner.url);
+        let shown = self.shown_urls();
         let client = async_nats::ConnectOptions::new()
             .name(&self.inner.name)
             .connection_timeout(REQUEST_TIMEOUT)
@@ -129,7 +142,8 @@ impl Nats {
             .event_callback(|event| async move {
                 tracing::info!(messaging.system = SYSTEM, %event, "connection event");
             })
-            .connect(self.inner.url.as_str())
+            .retain_servers_order()
+            .connect(self.inner.urls.as_slice())
             .await
             .map_err(|e| TransportError::new(ErrorKind::Connection, format!("connecting to {shown}: {e}")))?;
         let js = jetstream::new(client.clone());
@@ -137,6 +151,16 @@ impl Nats {
         let conn = Conn { client, js };
         *guard = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// The URLs with credentials hidden, for logs and errors.
+    pub(super) fn shown_urls(&self) -> String {
+        self.inner
+            .urls
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     pub(super) fn spec(&self, topology: &str) -> Result<TopologySpec, TransportError> {

@@ -112,6 +112,17 @@ impl Nats {
         match conn.js.get_stream(name).await {
             Ok(stream) => {
                 let info = stream.cached_info();
+                let replicas = self.inner.options.replicas;
+                if info.config.num_replicas != replicas {
+                    tracing::warn!(
+                        messaging.system = SYSTEM,
+                        stream = name,
+                        have = info.config.num_replicas,
+                        want = replicas,
+                        "transport.replicas differs from the existing stream's replicas, which are kept (the operator's: \
+                         `nats stream edit {name} --replicas {replicas}` changes them)"
+                    );
+                }
                 let mut have = info.config.subjects.clone();
                 let mut want = subjects.clone();
                 have.sort();
@@ -135,13 +146,17 @@ impl Nats {
                         name: name.to_owned(),
                         subjects: subjects.clone(),
                         storage: stream::StorageType::File,
+                        num_replicas: self.inner.options.replicas,
                         ..stream::Config::default()
                     })
                     .await
                     .map_err(|e| {
                         TransportError::new(
                             ErrorKind::Refused,
-                            format!("creating stream {name} over {subjects:?} (file storage): {e}"),
+                            format!(
+                                "creating stream {name} over {subjects:?} (file storage, transport.replicas = {}): {e}",
+                                self.inner.options.replicas
+                            ),
                         )
                     })?;
                 tracing::info!(messaging.system = SYSTEM, stream = name, ?subjects, "stream created");
@@ -154,7 +169,42 @@ impl Nats {
         }
     }
 
+    /// Refuse `transport.replicas` above what the server can hold: a server
+    /// outside a cluster holds one replica; a cluster member tells its
+    /// cluster's client URLs, one per server unless the cluster hides them
+    /// (then the server's own refusal of the stream names the key).
+    pub(super) fn check_replicas(&self, conn: &Conn) -> Result<(), TransportError> {
+        let replicas = self.inner.options.replicas;
+        if replicas <= 1 {
+            return Ok(());
+        }
+        let info = conn.client.server_info();
+        let servers = match info.cluster.as_deref() {
+            None | Some("") => Some(1),
+            Some(_) if info.connect_urls.is_empty() => None,
+            Some(_) => Some(info.connect_urls.len()),
+        };
+        match servers {
+            Some(n) if replicas > n => Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "transport.replicas = {replicas} needs a JetStream cluster of at least {replicas} servers, but {} \
+                     (server {}) {}; accepted here: replicas = {}",
+                    self.shown_urls(),
+                    info.server_name,
+                    match info.cluster.as_deref() {
+                        None | Some("") => "is a single server, in no cluster".to_owned(),
+                        Some(c) => format!("is in cluster {c:?} of {n} servers"),
+                    },
+                    n.min(5),
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     pub(super) async fn declare_streams(&self, conn: &Conn, spec: &TopologySpec) -> Result<(), TransportError> {
+        self.check_replicas(conn)?;
         let t = spec.name.as_str();
         // The work stream first: an old one over `weir.T.>` overlaps the DLQ.
         self.ensure_stream(conn, &names::stream(t), names::stream_subjects(t))
@@ -192,6 +242,7 @@ impl Nats {
                         allow_rollup: true,
                         deny_delete: true,
                         allow_direct: true,
+                        num_replicas: self.inner.options.replicas,
                         ..stream::Config::default()
                     })
                     .await

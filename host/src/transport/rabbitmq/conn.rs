@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 
 use super::declare::{declare_on, rungs};
 use super::names;
+use super::queue_type::{self, QueueType, Version};
 use super::wire::{SYSTEM, lapin_err, properties};
 use crate::envelope::Wire;
 use crate::transport::limits::Limits;
@@ -34,8 +35,15 @@ impl Conn {
 }
 
 pub(super) struct Inner {
-    pub(super) url: String,
+    /// The broker's URLs (a cluster's nodes), each with a heartbeat: tried
+    /// in order on every connect.
+    pub(super) urls: Vec<String>,
+    /// The same with credentials hidden, joined for logs and errors.
     pub(super) shown_url: String,
+    /// `transport.queue_type`: the type of every queue declared.
+    pub(super) queue_type: QueueType,
+    /// The server version read at the last connect (quorum queues only).
+    pub(super) version: Mutex<Option<Version>>,
     pub(super) name: String,
     pub(super) conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     pub(super) topologies: Mutex<HashMap<String, TopologySpec>>,
@@ -83,11 +91,19 @@ impl RabbitMq {
     /// A transport for the broker at `url` (`amqp://…`); `name` is shown as
     /// the connection name. Nothing connects until first use.
     pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
-        let url = url.into();
+        Self::with_settings(vec![url.into()], name, QueueType::Classic)
+    }
+
+    /// A transport for a broker reachable at any of `urls` (the nodes of a
+    /// cluster, tried in order on every connect and reconnect), declaring
+    /// queues of `queue_type` (`transport.queue_type`).
+    pub fn with_settings(urls: Vec<String>, name: impl Into<String>, queue_type: QueueType) -> Self {
         Self {
             inner: Arc::new(Inner {
-                shown_url: redact_url(&url),
-                url: with_heartbeat(&url),
+                shown_url: urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(", "),
+                urls: urls.iter().map(|u| with_heartbeat(u)).collect(),
+                queue_type,
+                version: Mutex::new(None),
                 name: name.into(),
                 conn: tokio::sync::Mutex::new(None),
                 topologies: Mutex::new(HashMap::new()),
@@ -108,11 +124,8 @@ impl RabbitMq {
         }
         let reconnect = guard.is_some();
         *guard = None;
-        let shown = &self.inner.shown_url;
-        let props = ConnectionProperties::default().with_connection_name(self.inner.name.clone().into());
-        let connection = Connection::connect(&self.inner.url, props)
-            .await
-            .map_err(|e| TransportError::new(ErrorKind::Connection, format!("connecting to {shown}: {e}")))?;
+        let (connection, url) = self.connect_any().await?;
+        let shown = &redact_url(&url);
         let publisher = connection
             .create_channel()
             .await
@@ -121,10 +134,22 @@ impl RabbitMq {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| lapin_err(format!("enabling publisher confirms on {shown}"), &e))?;
+        if self.inner.queue_type == QueueType::Quorum {
+            let version = queue_type::server_version(&url).await;
+            if version.is_none() {
+                tracing::warn!(
+                    messaging.system = SYSTEM,
+                    url = %shown,
+                    "could not read the server version; transport.queue_type = \"quorum\" is checked by the declarations alone"
+                );
+            }
+            *self.inner.version.lock() = version;
+        }
         let conn = Arc::new(Conn { connection, publisher });
         let specs: Vec<TopologySpec> = self.inner.topologies.lock().values().cloned().collect();
         for spec in &specs {
-            declare_on(&conn.connection, spec).await?;
+            self.check_server(spec)?;
+            declare_on(&conn.connection, spec, self.inner.queue_type).await?;
         }
         if reconnect {
             tracing::info!(messaging.system = SYSTEM, url = %shown, topologies = specs.len(), "reconnected and re-declared");
@@ -133,6 +158,41 @@ impl RabbitMq {
         }
         *guard = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// Connect to the first of the URLs that answers, in order; the error
+    /// lists every URL tried (credentials hidden) and what each answered.
+    async fn connect_any(&self) -> Result<(Connection, String), TransportError> {
+        let mut failures = Vec::new();
+        for url in &self.inner.urls {
+            let props = ConnectionProperties::default().with_connection_name(self.inner.name.clone().into());
+            match Connection::connect(url, props).await {
+                Ok(c) => {
+                    if !failures.is_empty() {
+                        tracing::warn!(messaging.system = SYSTEM, url = %redact_url(url), failed = %failures.join("; "), "connected to a later URL of transport.url");
+                    }
+                    return Ok((c, url.clone()));
+                }
+                Err(e) => failures.push(format!("{}: {e}", redact_url(url))),
+            }
+        }
+        Err(TransportError::new(
+            ErrorKind::Connection,
+            format!("connecting to {}: {}", self.inner.shown_url, failures.join("; ")),
+        ))
+    }
+
+    /// Refuse `spec` when the server cannot honour `transport.queue_type`
+    /// for it ([`queue_type::check`]).
+    pub(super) fn check_server(&self, spec: &TopologySpec) -> Result<(), TransportError> {
+        let version = *self.inner.version.lock();
+        queue_type::check(self.inner.queue_type, version, &spec.name, rungs(spec).len())
+    }
+
+    /// The server version read at the last connect (only read when
+    /// `transport.queue_type = "quorum"`).
+    pub fn server_version(&self) -> Option<Version> {
+        *self.inner.version.lock()
     }
 
     /// Close the connection (tests, shutdown). The next use reconnects.

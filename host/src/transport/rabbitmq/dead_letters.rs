@@ -15,7 +15,11 @@
 //! the reader until it closes. Meanwhile no one else can consume the queue:
 //! the consumer is exclusive, so a second dead-letter command on the same
 //! topology is refused (`ACCESS_REFUSED`) instead of seeing an empty queue,
-//! and a command is refused while any other consumer is attached. Captures
+//! and a command is refused while any other consumer is attached. Quorum
+//! queues (RabbitMQ 3.10) do not enforce `exclusive`: there a session that
+//! finds another consumer attached once it is refuses itself. (Single
+//! active consumer would not do: a waiting consumer is not counted, and it
+//! would read an empty queue.) Captures
 //! go on (a capture only publishes): letters captured during a session are
 //! not read by it; the broker sends them to its consumer too, which holds
 //! them until the close gives them back, at the tail, in their order.
@@ -87,6 +91,30 @@ impl DeadLetterStore for RabbitMq {
                     ),
                 )
             })?;
+        // Quorum queues do not enforce an exclusive consumer (RabbitMQ 3.10
+        // accepts a second one), so the session also counts the queue's
+        // consumers once it is attached: anyone else there refuses this
+        // session, which gives back what it may have been sent (letters
+        // captured since the first reader attached). Two sessions that
+        // start together may both refuse: it fails closed.
+        let consumers = channel
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await
+            .map_err(|e| lapin_err(format!("counting the consumers of {queue}"), &e))?
+            .consumer_count();
+        if consumers > 1 {
+            let _ = channel
+                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+                .await;
+            let _ = channel.close(200, "another reader".into()).await;
+            return Err(TransportError::new(
+                ErrorKind::Refused,
+                format!(
+                    "cannot read {queue} as its only consumer ({consumers} consumers attached): another \
+                     `weir dead-letters` command (or another consumer) is reading it; try again when it is done"
+                ),
+            ));
+        }
         tracing::debug!(messaging.system = SYSTEM, queue, ready, "reading dead letters");
         Ok(Box::new(RabbitDeadLetters {
             queue,

@@ -5,10 +5,11 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
 
 use super::names;
+use super::queue_type::{self, QueueType, Role};
 use super::wire::{SYSTEM, is_precondition_failed, lapin_err};
 use crate::transport::{ErrorKind, TopologySpec, TransportError};
 
@@ -32,27 +33,28 @@ pub(super) fn declare_options() -> QueueDeclareOptions {
 /// queues with the argument refuses the declaration.
 pub const NEGATIVE_CONTROL_NO_SAC: &str = "WEIR_NEGATIVE_CONTROL_NO_SINGLE_ACTIVE_CONSUMER";
 
-pub(super) fn slot_queue_arguments(topology: &str) -> (FieldTable, &'static str) {
+/// Whether slot queues get single active consumer: always, except under
+/// the negative control [`NEGATIVE_CONTROL_NO_SAC`].
+pub(super) fn slot_queue_sac(topology: &str) -> bool {
     if std::env::var(NEGATIVE_CONTROL_NO_SAC).is_ok_and(|v| v == "1") {
         tracing::error!(
             messaging.system = SYSTEM,
             topology,
             "{NEGATIVE_CONTROL_NO_SAC}=1: slot queues WITHOUT single active consumer (a test's negative control; never in production)"
         );
-        return (FieldTable::default(), "durable, no arguments");
+        return false;
     }
-    (single_active_consumer(), "durable, x-single-active-consumer = true")
-}
-
-pub(super) fn single_active_consumer() -> FieldTable {
-    let mut args = FieldTable::default();
-    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-    args
+    true
 }
 
 /// Declare every broker object of `spec` on a channel of its own (a refused
-/// declaration closes the channel it was made on).
-pub(super) async fn declare_on(connection: &Connection, spec: &TopologySpec) -> Result<(), TransportError> {
+/// declaration closes the channel it was made on), every queue of
+/// `queue_type` ([`queue_type::arguments`]).
+pub(super) async fn declare_on(
+    connection: &Connection,
+    spec: &TopologySpec,
+    queue_type: QueueType,
+) -> Result<(), TransportError> {
     let t = spec.name.as_str();
     let ch = connection
         .create_channel()
@@ -72,13 +74,15 @@ pub(super) async fn declare_on(connection: &Connection, spec: &TopologySpec) -> 
     .await
     .map_err(|e| declare_err("exchange", &exchange, "a durable direct exchange", &e))?;
 
-    let queue = |name: String, args: FieldTable, shape: &'static str| {
+    let dead_letter = names::dead_letter(t);
+    let queue = |name: String, role: Role| {
         let ch = ch.clone();
+        let (args, shape) = queue_type::arguments(queue_type, role, &exchange, &dead_letter);
         async move {
             ch.queue_declare(name.as_str().into(), declare_options(), args)
                 .await
                 .map(|_| ())
-                .map_err(|e| declare_err("queue", &name, shape, &e))
+                .map_err(|e| queue_declare_err(&name, queue_type, &shape, &e))
         }
     };
     let bind = |name: String, source: String, key: String| {
@@ -95,17 +99,18 @@ pub(super) async fn declare_on(connection: &Connection, spec: &TopologySpec) -> 
             .map_err(|e| lapin_err(format!("binding queue {name} to {source} with key {key:?}"), &e))
         }
     };
-    const SAC: &str = "durable, x-single-active-consumer = true";
-    let (slot_args, slot_shape) = slot_queue_arguments(t);
+    // The dead-letter queue first: quorum slot and ingress queues
+    // dead-letter into it (module docs of [`queue_type`]).
+    queue(dead_letter.clone(), Role::DeadLetter).await?;
+    let sac = slot_queue_sac(t);
     for n in 0..spec.slots {
         let q = names::slot_queue(t, n);
-        queue(q.clone(), slot_args.clone(), slot_shape).await?;
+        queue(q.clone(), Role::Slot { sac }).await?;
         bind(q, exchange.clone(), n.to_string()).await?;
     }
     let ingress = names::ingress(t);
-    queue(ingress.clone(), single_active_consumer(), SAC).await?;
+    queue(ingress.clone(), Role::Ingress).await?;
     bind(ingress, exchange.clone(), names::INGRESS_KEY.to_owned()).await?;
-    queue(names::dead_letter(t), FieldTable::default(), "durable, no arguments").await?;
     for delay in rungs(spec) {
         let rung = names::rung(t, delay);
         ch.exchange_declare(
@@ -116,19 +121,8 @@ pub(super) async fn declare_on(connection: &Connection, spec: &TopologySpec) -> 
         )
         .await
         .map_err(|e| declare_err("exchange", &rung, "a durable fanout exchange", &e))?;
-        let mut args = FieldTable::default();
-        let ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
-        args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ms));
-        args.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString(exchange.as_str().into()),
-        );
-        queue(
-            rung.clone(),
-            args,
-            "durable, x-message-ttl and x-dead-letter-exchange = the topology's exchange",
-        )
-        .await?;
+        let ttl_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        queue(rung.clone(), Role::Rung { ttl_ms }).await?;
         bind(rung.clone(), rung, String::new()).await?;
     }
     let _ = ch.close(200, "declared".into()).await;
@@ -139,6 +133,26 @@ pub(super) async fn declare_on(connection: &Connection, spec: &TopologySpec) -> 
         "topology declared"
     );
     Ok(())
+}
+
+/// A refused queue declaration. A queue that exists with other settings
+/// (PRECONDITION_FAILED) most often has the other queue type: the error names
+/// `transport.queue_type` and what this node asked for.
+pub(super) fn queue_declare_err(name: &str, queue_type: QueueType, shape: &str, e: &lapin::Error) -> TransportError {
+    if is_precondition_failed(e) {
+        return TransportError::new(
+            ErrorKind::Invalid,
+            format!(
+                "transport.queue_type = \"{queue_type}\": queue {name} already exists with different settings ({e}), \
+                 most likely as a queue of the other type; Weir declares it as: {shape}. \
+                 Either set transport.queue_type to the type the existing queues have, or migrate them: \
+                 stop the nodes, move or drain their messages, delete the queues \
+                 (`rabbitmqctl delete_queue {name}`), then start Weir, which declares them again \
+                 (README, \"Migrating queues\")"
+            ),
+        );
+    }
+    lapin_err(format!("declaring queue {name}"), e)
 }
 
 pub(super) fn declare_err(what: &str, name: &str, shape: &str, e: &lapin::Error) -> TransportError {

@@ -7,6 +7,8 @@
 //!
 //! Broker objects of topology `T` (names fixed by DESIGN.md):
 //! - exchange `weir.T` (direct, durable);
+//! - every queue classic or quorum after `transport.queue_type` (the
+//!   arguments of each, and why, in [`queue_type`]);
 //! - slot queues `weir.T.n`, durable, bound with key `n`, declared with
 //!   `x-single-active-consumer = true` in every cluster mode;
 //! - `weir.T.ingress` (durable, single active consumer, also bound with key
@@ -29,6 +31,7 @@ pub mod conn;
 pub mod dead_letters;
 pub mod declare;
 pub mod names;
+pub mod queue_type;
 pub mod subscription;
 pub mod wire;
 
@@ -40,6 +43,7 @@ use lapin::types::FieldTable;
 
 pub use conn::{DEFER_BACKOFF_MAX, DEFER_BACKOFF_MIN, RabbitMq};
 pub use declare::{NEGATIVE_CONTROL_NO_SAC, rungs};
+pub use queue_type::QueueType;
 
 use crate::envelope::Wire;
 use crate::transport::{ErrorKind, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
@@ -69,7 +73,8 @@ impl Transport for RabbitMq {
             ));
         }
         let conn = self.conn().await?;
-        declare_on(&conn.connection, spec).await?;
+        self.check_server(spec)?;
+        declare_on(&conn.connection, spec, self.inner.queue_type).await?;
         self.inner.topologies.lock().insert(spec.name.clone(), spec.clone());
         Ok(())
     }
