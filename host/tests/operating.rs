@@ -74,7 +74,17 @@ fn static_status_flags_the_slot_nobody_owns_and_publish_warns_about_it() {
             pa,
         ),
     );
-    // At start: the config's warning, and the broker's answer that nobody consumes 2 and 3.
+    // At start: the config's warning, and the broker's answer that nobody
+    // consumes 2 and 3 (asked after the node started: wait for that line).
+    let start = Instant::now();
+    while !cluster.nodes[a].log().contains("no node consumes these slots now") {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no warning about the unconsumed slots:\n{}",
+            cluster.nodes[a].log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let log = cluster.nodes[a].log();
     assert!(log.contains("this node consumes only [0, 1]: slots [2, 3]"), "{log}");
     assert!(
