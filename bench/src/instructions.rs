@@ -115,8 +115,14 @@ fn child(dir: &Path, scenario: &str, extra: &[&str], messages: u64, callgrind: O
 pub fn instructions(o: &Opts) -> anyhow::Result<Vec<Row>> {
     let dir = o.out.parent().context("--out has no directory")?.to_path_buf();
     std::fs::create_dir_all(&dir)?;
-    // Fill the compile cache beside `--out` with the same engine settings.
+    // Fill the compile cache beside `--out` with the same engine settings,
+    // natively and under valgrind: valgrind reports other CPU features, so its
+    // code is cached apart, and a first measured run that compiled would cost
+    // more than the larger one (a negative difference).
     child(&dir, "e2e-reuse", &[], 1_000, None)?;
+    let warm = dir.join("callgrind-warm-up.out");
+    child(&dir, "e2e-reuse", &[], 1_000, Some(&warm))?;
+    let _ = std::fs::remove_file(&warm);
     let mut rows = Vec::new();
     for (name, scenario, extra) in SHAPES {
         let mut t = Vec::new();
@@ -130,6 +136,14 @@ pub fn instructions(o: &Opts) -> anyhow::Result<Vec<Row>> {
         let whole = (t[1].0 as f64 - t[0].0 as f64) / between;
         let prepublish = (t[1].1 as f64 - t[0].1 as f64) / between;
         let per_msg = whole - prepublish;
+        if per_msg <= 0.0 {
+            bail!(
+                "{name}: the {LARGE}-message run cost no more than the {SMALL}-message one \
+                 ({} against {} instructions): one of them paid a one-off cost; run it again",
+                t[1].0,
+                t[0].0
+            );
+        }
         eprintln!(
             "[weir-bench] {name:<10} {per_msg:.0} instructions/msg (whole process {whole:.0}, pre-publish {prepublish:.0})"
         );
