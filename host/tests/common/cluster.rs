@@ -210,13 +210,20 @@ impl Cluster {
     /// Wait until every id in `ids` was handled somewhere (or panic with the
     /// logs after `timeout`); returns the report at that moment.
     pub fn wait_handled(&self, ids: &[String], timeout: Duration) -> Report {
+        self.try_wait_handled(ids, timeout)
+            .unwrap_or_else(|why| panic!("{why}"))
+    }
+
+    /// [`Cluster::wait_handled`], with the timeout as an error: how many
+    /// were never handled, then every node's log.
+    pub fn try_wait_handled(&self, ids: &[String], timeout: Duration) -> Result<Report, String> {
         let start = Instant::now();
         loop {
             let report = self.report();
             let handled = report.handled();
             let missing = ids.iter().filter(|id| !handled.contains(id.as_str())).count();
             if missing == 0 {
-                return report;
+                return Ok(report);
             }
             if start.elapsed() > timeout {
                 let logs: Vec<String> = self
@@ -224,11 +231,11 @@ impl Cluster {
                     .iter()
                     .map(|n| format!("--- {}:\n{}", n.name, n.log()))
                     .collect();
-                panic!(
+                return Err(format!(
                     "timed out after {timeout:?}: {missing} of {} messages never handled\n{}",
                     ids.len(),
                     logs.join("\n")
-                );
+                ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
