@@ -10,6 +10,11 @@
 //!   two calls at once across the nodes, the time to the first message after
 //!   the kill is reported, the killed server catches up when it comes back,
 //!   and the nodes still drain and exit 0.
+//! - `a_stalled_server_is_left_for_a_live_one`: the same server hangs
+//!   instead (SIGSTOP: sockets open, no answer, no refusal); the nodes ping
+//!   it, give it up and move to a live server in seconds. Its red baseline,
+//!   `with_default_pings_a_stalled_server_holds_the_nodes`, keeps the
+//!   client's 60 s pings and stays stuck past the bound.
 //! - `one_replica_is_unavailable_while_its_server_is_down`: the red
 //!   baseline. The same kill with `transport.replicas = 1`: the messages
 //!   stored on that server are out of reach until it comes back, so the
@@ -256,6 +261,72 @@ fn killing_the_stream_leader_loses_nothing() {
     }
     for n in &mut nodes.nodes {
         n.terminate(Duration::from_secs(60));
+    }
+}
+
+/// A server that hangs (SIGSTOP: its sockets stay open, it neither answers
+/// nor refuses) while it leads the stream and holds both nodes' connections,
+/// with the nodes started with `env`. The survivors elect a leader; the nodes
+/// must notice the silence and move to a live server by themselves. Returns
+/// when the first message published after the stall was called (ms after
+/// the stall), or why none was within [`STALL_BOUND_SECS`].
+fn stall_the_leader(env: &[(&str, &str)]) -> Result<u64, String> {
+    let mut servers = NatsServers::start(3);
+    let urls = servers.urls();
+    let topology = topology_name();
+    let mut nodes = Cluster::default();
+    nodes.start_with_env("node-0", &node_config(&topology, "node-0", &urls, 3, &[0, 1]), env);
+    nodes.start_with_env("node-1", &node_config(&topology, "node-1", &urls, 3, &[2, 3]), env);
+    let stream = names::stream(&topology);
+    move_leader(&urls, &stream, "n0");
+
+    let before = cluster::messages(30, 10, 5);
+    publish(&urls, &topology, &before);
+    nodes.wait_handled(&cluster::ids(&before), Duration::from_secs(60));
+    let stalled_at = monotonic_ns();
+    servers.stall("n0");
+    let after = cluster::messages(30, 5, 5);
+    publish(&urls[1..], &topology, &after);
+    let waited = nodes.try_wait_handled(&cluster::ids(&after), Duration::from_secs(STALL_BOUND_SECS));
+    servers.resume("n0");
+    let report = waited.map_err(|why| why.lines().next().unwrap_or_default().to_owned())?;
+    assert!(report.overlaps.is_empty(), "{}", cluster::describe(&report));
+    let after_ids: std::collections::HashSet<&str> = after.iter().map(|m| m.id.as_str()).collect();
+    let first_new = report
+        .calls
+        .iter()
+        .filter(|c| after_ids.contains(c.id.as_str()))
+        .map(|c| c.start)
+        .min()
+        .unwrap();
+    for n in &mut nodes.nodes {
+        n.terminate(Duration::from_secs(60));
+    }
+    Ok((first_new - stalled_at) / 1_000_000)
+}
+
+/// How long the nodes may take to leave a stalled server for a live one
+/// (the election takes 5–7 s of it).
+const STALL_BOUND_SECS: u64 = 30;
+
+#[test]
+fn a_stalled_server_is_left_for_a_live_one() {
+    match stall_the_leader(&[]) {
+        Ok(ms) => {
+            println!("server n0 stalled (SIGSTOP): first call of a message published after the stall at +{ms} ms")
+        }
+        Err(why) => panic!("the nodes did not leave the stalled server within {STALL_BOUND_SECS} s: {why}"),
+    }
+}
+
+/// The red baseline: with the client's default pings (60 s) the nodes stay
+/// on the hung server past the bound.
+#[test]
+fn with_default_pings_a_stalled_server_holds_the_nodes() {
+    let env = [(weir::transport::nats::conn::NEGATIVE_CONTROL_DEFAULT_PINGS, "1")];
+    match stall_the_leader(&env) {
+        Ok(ms) => panic!("with 60 s pings the nodes left the stalled server after {ms} ms: the test cannot tell"),
+        Err(why) => println!("red baseline, default pings: {why}"),
     }
 }
 

@@ -174,6 +174,24 @@ impl NatsServers {
         }
     }
 
+    /// SIGSTOP the server `name`: it hangs with its sockets open, neither
+    /// answering nor refusing (SIGCONT with [`NatsServers::resume`]).
+    pub fn stall(&mut self, name: &str) {
+        self.signal(name, libc::SIGSTOP);
+    }
+
+    /// SIGCONT the stalled server `name`.
+    pub fn resume(&mut self, name: &str) {
+        self.signal(name, libc::SIGCONT);
+    }
+
+    fn signal(&mut self, name: &str, sig: i32) {
+        let s = self.server(name);
+        let pid = i32::try_from(s.child.as_ref().expect("the server runs").id()).unwrap();
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(pid, sig) };
+    }
+
     /// Start the killed server `name` again, on its ports and its store.
     pub fn restart(&mut self, name: &str) {
         self.server(name).spawn();

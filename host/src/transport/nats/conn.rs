@@ -33,6 +33,17 @@ pub(super) const MAX_PULL_BATCH: u32 = 1024;
 pub(super) const PULL_GRACE: Duration = Duration::from_secs(5);
 /// Least time a failure count is kept (the bucket's `max_age`).
 pub(super) const ATTEMPTS_MIN_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How often the client pings the server when the server has sent
+/// nothing; the connection is given up after three unanswered intervals
+/// (async-nats: more than two pings pending), so a server that hangs with its
+/// sockets open is left for another of the cluster in about 6 s, where the
+/// client's default (60 s) takes three minutes. The RabbitMQ transport's
+/// heartbeat is the same guard.
+pub(super) const PING_INTERVAL: Duration = Duration::from_secs(2);
+/// Negative control for the stalled-server test, never for production: with
+/// this environment variable set to `1` the connection keeps async-nats's
+/// default ping interval (60 s), so a hung server holds the node for minutes.
+pub const NEGATIVE_CONTROL_DEFAULT_PINGS: &str = "WEIR_NEGATIVE_CONTROL_DEFAULT_PINGS";
 /// Timeout of every JetStream API request (stream and consumer info,
 /// publish acks, double acks).
 pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -131,7 +142,15 @@ impl Nats {
             return Ok(c.clone());
         }
         let shown = self.shown_urls();
-        let client = async_nats::ConnectOptions::new()
+        let mut options = async_nats::ConnectOptions::new();
+        if std::env::var(NEGATIVE_CONTROL_DEFAULT_PINGS).is_ok_and(|v| v == "1") {
+            tracing::error!(
+                "{NEGATIVE_CONTROL_DEFAULT_PINGS}=1: a hung server is noticed only after minutes (a test's negative control; never in production)"
+            );
+        } else {
+            options = options.ping_interval(PING_INTERVAL);
+        }
+        let client = options
             .name(&self.inner.name)
             .connection_timeout(REQUEST_TIMEOUT)
             .request_timeout(Some(REQUEST_TIMEOUT))
