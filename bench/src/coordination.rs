@@ -1031,7 +1031,7 @@ fn print(r: &Value) {
             .as_f64()
             .map_or("n/a (no --server-pid)".to_owned(), |v| format!("{v:.2}"))
     );
-    if let Some(kinds) = s["statements_by_kind_per_s"].as_object() {
+    if let Some(kinds) = s["statements_by_kind_per_s"].as_object().filter(|k| !k.is_empty()) {
         let mut kinds: Vec<(&String, f64)> = kinds.iter().map(|(k, v)| (k, v.as_f64().unwrap_or(0.0))).collect();
         kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
         println!("  {:>10}  {:>16}  statement", "calls/s", "server ms/s");
