@@ -52,7 +52,9 @@
 //! others still run; the exit status is then 1.
 //! `weir-bench polyglot` compares the orders handler in Rust, Python and
 //! JavaScript instead (see `polyglot.rs`); `weir-bench hostile` a good tenant's
-//! throughput and the RSS next to each hostile guest of issue 15 (`hostile.rs`).
+//! throughput and the RSS next to each hostile guest of issue 15 (`hostile.rs`);
+//! `weir-bench coordination` the PostgreSQL coordinator for many nodes in one
+//! process against a real database (`coordination.rs`, issue 20 item 4).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -70,6 +72,7 @@ use weir::transport::{TopologySpec, Transport};
 
 mod anchor;
 mod charts;
+mod coordination;
 mod hostile;
 mod instructions;
 mod natsb;
@@ -1268,6 +1271,10 @@ fn main() -> anyhow::Result<()> {
     // `weir-bench polyglot ...`: the orders handler per language (bench/src/polyglot.rs).
     if std::env::args().nth(1).as_deref() == Some("polyglot") {
         return polyglot::main(std::env::args().skip(2));
+    }
+    // `weir-bench coordination ...`: the PostgreSQL coordinator for many nodes (bench/src/coordination.rs).
+    if std::env::args().nth(1).as_deref() == Some("coordination") {
+        return coordination::main(std::env::args().skip(2));
     }
     // `weir-bench hostile ...`: a good tenant next to each hostile guest (bench/src/hostile.rs).
     if std::env::args().nth(1).as_deref() == Some("hostile") {

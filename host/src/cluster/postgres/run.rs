@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -72,11 +72,7 @@ impl Coordinator for Postgres {
                 Ok(rt) => rt.block_on(async move {
                     // Connections made on this thread's runtime: their I/O
                     // is driven here, not by the node's busy runtime.
-                    // The renewals' own, the loop's steps and a spare.
-                    let pool = PgPoolOptions::new()
-                        .max_connections(u32::try_from(super::renewals::IN_FLIGHT).unwrap_or(2) + 3)
-                        .acquire_timeout(Duration::from_secs(2))
-                        .connect_lazy_with(options);
+                    let pool = node_pool(options);
                     let member =
                         Member::new(pool, &name, lease, drain_deadline, start.all, start.slots, start.ready);
                     run(member, start.stop).await
@@ -102,6 +98,21 @@ impl Coordinator for Postgres {
     async fn status(&self) -> anyhow::Result<Option<Status>> {
         super::status::status(&self.pool).await.map(Some)
     }
+}
+
+/// Connections one node's coordinator opens at most: the renewals' own
+/// ([`super::renewals::IN_FLIGHT`]), the loop's steps (and its `LISTEN`),
+/// and a spare.
+pub const NODE_CONNECTIONS: u32 = super::renewals::IN_FLIGHT as u32 + 3;
+
+/// The pool one node's coordinator runs on ([`NODE_CONNECTIONS`]
+/// connections, opened lazily). Call it on the runtime that runs [`run`]:
+/// the connections' I/O is driven there.
+pub fn node_pool(options: PgConnectOptions) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(NODE_CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(options)
 }
 
 /// Where a node is in its leaving sequence (after `stop`).
