@@ -4,8 +4,9 @@
 //! a reconcile, each allowed its database timeout), nor be thrown away
 //! because one answer was slow: on a starved machine a round trip can take
 //! longer than a step may, and a node that gives up on each one fences with
-//! its database merely slow. So a renewal is sent every [`TICK`], whatever
-//! the loop does, with up to [`IN_FLIGHT`] of them waiting at once on
+//! its database merely slow. So a renewal is sent every [`interval`] (a
+//! tenth of the lease, at least a [`TICK`]), whatever the loop does, with
+//! up to [`IN_FLIGHT`] of them waiting at once on
 //! connections of their own, and each is kept when it comes back, however
 //! late. The loop reads the newest one sent that succeeded: it is timed
 //! from before it was sent, so the node's deadline is never later than the
@@ -23,6 +24,15 @@ use super::{TICK, secs};
 
 /// Renewals waiting for an answer at most, each on its own connection.
 pub(super) const IN_FLIGHT: usize = 2;
+
+/// How often a lease is renewed: a tenth of it, at least a [`TICK`]. The
+/// fence comes `lease − margin` after the newest renewal sent (the margin is
+/// a quarter of the lease at least), so a tenth leaves seven renewals or
+/// more to succeed before a fence, while a 5 s lease costs the database 2
+/// renewals a second per node instead of 10 (docs/SCALE.md).
+pub(super) fn interval(lease: Duration) -> Duration {
+    (lease / 10).max(TICK)
+}
 
 /// What the renewals found, for the loop.
 #[derive(Debug, Clone, Copy, Default)]
@@ -75,7 +85,7 @@ impl Renewals {
 }
 
 async fn run(pool: PgPool, lease: Duration, mut current: watch::Receiver<(Uuid, Instant)>, tx: watch::Sender<Renewed>) {
-    let mut ticks = tokio::time::interval(TICK);
+    let mut ticks = tokio::time::interval(interval(lease));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut waiting = FuturesUnordered::new();
     let mut failures = 0u32;
@@ -150,4 +160,23 @@ pub(super) async fn renew(pool: &PgPool, id: Uuid, lease: Duration) -> anyhow::R
     .await
     .context("renewing this node's lease")?;
     Ok(r.rows_affected() == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenth_of_the_lease_and_never_below_a_tick() {
+        assert_eq!(interval(Duration::from_secs(5)), Duration::from_millis(500));
+        assert_eq!(interval(Duration::from_secs(2)), Duration::from_millis(200));
+        assert_eq!(interval(Duration::from_millis(500)), TICK);
+        // Enough renewals before the fence: it comes lease − margin (at
+        // least a quarter of the lease) after the newest one sent. (Below a
+        // second the tick is the interval, as before.)
+        for lease in [1_000, 2_000, 5_000, 30_000].map(Duration::from_millis) {
+            let before_fence = lease - super::super::fence_margin(lease);
+            assert!(before_fence >= interval(lease) * 3, "lease {lease:?}");
+        }
+    }
 }
