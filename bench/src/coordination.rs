@@ -47,10 +47,6 @@ use tokio::sync::{oneshot, watch};
 use weir::cluster::postgres::{self as pg, Member, run::NODE_CONNECTIONS};
 use weir::cluster::slots::{SlotKey, SlotSet, Supervisor};
 use weir::dispatch::{Pipeline, RunnerReport, TopologySettings};
-use weir::retry::schedule::{Redelivery, RetryPolicy};
-use weir::runtime::pool::WorkerPool;
-use weir::runtime::{Runtime, RuntimeOptions};
-use weir::transport::memory::MemoryBroker;
 
 /// Warnings and errors the coordinators logged, by level and message (the
 /// timeouts, fences and re-registrations behind a slow phase).
@@ -854,26 +850,7 @@ fn rates(a: &Counters, b: &Counters, secs: f64) -> Value {
 }
 
 async fn bench<B: Backend>(o: &Opts, backend: Arc<B>, tally: Tally) -> anyhow::Result<Value> {
-    let runtime = Runtime::new(RuntimeOptions::default())?;
-    let pipeline = Arc::new(Pipeline {
-        transport: Arc::new(MemoryBroker::new()),
-        pool: Arc::new(WorkerPool::new(runtime, 1)?),
-        router: Arc::new(weir::router::Router::new()),
-        stats: Arc::default(),
-        observer: None,
-    });
-    let settings = TopologySettings {
-        topology: Arc::from(TOPOLOGY),
-        slots: o.slots,
-        max_concurrent_groups: 1,
-        max_unordered: 1,
-        prefetch: 1,
-        max_run: 1,
-        schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
-        bypass_lanes: false,
-        bypass_batch_lanes: false,
-        inject_panic: None,
-    };
+    let (pipeline, settings) = SlotSet::inert_parts(TOPOLOGY, o.slots)?;
     let mut c = Cluster {
         backend: backend.clone(),
         pipeline,

@@ -145,6 +145,18 @@ async fn current_replicas(urls: &[String], stream: &str) -> Option<usize> {
     Some(1 + cluster.replicas.iter().filter(|r| r.current && !r.offline).count())
 }
 
+/// When the first call of any of `msgs` started (monotonic ns).
+fn first_call_of(report: &Report, msgs: &[Envelope]) -> u64 {
+    let ids: std::collections::HashSet<&str> = msgs.iter().map(|m| m.id.as_str()).collect();
+    report
+        .calls
+        .iter()
+        .filter(|c| ids.contains(c.id.as_str()))
+        .map(|c| c.start)
+        .min()
+        .expect("a call of those messages")
+}
+
 fn handled_count(c: &Cluster) -> usize {
     c.report().handled().len()
 }
@@ -210,14 +222,7 @@ fn killing_the_stream_leader_loses_nothing() {
     let report = nodes.wait_handled(&all, Duration::from_secs(120));
     assert!(report.overlaps.is_empty(), "{}", cluster::describe(&report));
 
-    let after_ids: std::collections::HashSet<&str> = after.iter().map(|m| m.id.as_str()).collect();
-    let first_new = report
-        .calls
-        .iter()
-        .filter(|c| after_ids.contains(c.id.as_str()))
-        .map(|c| c.start)
-        .min()
-        .unwrap();
+    let first_new = first_call_of(&report, &after);
     let first_any = report
         .calls
         .iter()
@@ -291,14 +296,7 @@ fn stall_the_leader(env: &[(&str, &str)]) -> Result<u64, String> {
     servers.resume("n0");
     let report = waited.map_err(|why| why.lines().next().unwrap_or_default().to_owned())?;
     assert!(report.overlaps.is_empty(), "{}", cluster::describe(&report));
-    let after_ids: std::collections::HashSet<&str> = after.iter().map(|m| m.id.as_str()).collect();
-    let first_new = report
-        .calls
-        .iter()
-        .filter(|c| after_ids.contains(c.id.as_str()))
-        .map(|c| c.start)
-        .min()
-        .unwrap();
+    let first_new = first_call_of(&report, &after);
     for n in &mut nodes.nodes {
         n.terminate(Duration::from_secs(60));
     }

@@ -103,6 +103,37 @@ impl SlotSet {
         }
     }
 
+    /// What a set whose runners are a [`Supervisor`] of the caller's needs
+    /// besides it: a pipeline with an in-memory broker, one idle Wasm worker
+    /// and no handlers, and the settings of one topology of `slots` slots.
+    /// For the tests and the coordination benchmark, which exercise who
+    /// runs which slot, not what a slot does.
+    #[doc(hidden)]
+    pub fn inert_parts(topology: &str, slots: u32) -> anyhow::Result<(Arc<Pipeline>, TopologySettings)> {
+        use crate::retry::schedule::{Redelivery, RetryPolicy};
+        let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeOptions::default())?;
+        let pipeline = Arc::new(Pipeline {
+            transport: Arc::new(crate::transport::memory::MemoryBroker::new()),
+            pool: Arc::new(crate::runtime::pool::WorkerPool::new(runtime, 1)?),
+            router: Arc::new(crate::router::Router::new()),
+            stats: Arc::default(),
+            observer: None,
+        });
+        let settings = TopologySettings {
+            topology: Arc::from(topology),
+            slots,
+            max_concurrent_groups: 1,
+            max_unordered: 1,
+            prefetch: 1,
+            max_run: 1,
+            schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
+            bypass_lanes: false,
+            bypass_batch_lanes: false,
+            inject_panic: None,
+        };
+        Ok((pipeline, settings))
+    }
+
     /// The node's runtime, where the runners run.
     pub fn runtime(&self) -> &tokio::runtime::Handle {
         &self.runtime
@@ -279,7 +310,6 @@ mod tests {
     use tokio::sync::Semaphore;
 
     use super::*;
-    use crate::retry::schedule::{Redelivery, RetryPolicy};
 
     /// A set of one topology `t` whose runners wait for their stop, then
     /// for a permit of `gate` (a call still running), then end.
@@ -300,26 +330,7 @@ mod tests {
 
     /// A set of one topology `t` of two slots whose runners run `supervisor`.
     fn with(supervisor: Supervisor) -> SlotSet {
-        let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeOptions::default()).unwrap();
-        let pipeline = Arc::new(Pipeline {
-            transport: Arc::new(crate::transport::memory::MemoryBroker::new()),
-            pool: Arc::new(crate::runtime::pool::WorkerPool::new(runtime, 1).unwrap()),
-            router: Arc::new(crate::router::Router::new()),
-            stats: Arc::default(),
-            observer: None,
-        });
-        let settings = TopologySettings {
-            topology: Arc::from("t"),
-            slots: 2,
-            max_concurrent_groups: 1,
-            max_unordered: 1,
-            prefetch: 1,
-            max_run: 1,
-            schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
-            bypass_lanes: false,
-            bypass_batch_lanes: false,
-            inject_panic: None,
-        };
+        let (pipeline, settings) = SlotSet::inert_parts("t", 2).unwrap();
         SlotSet::with_supervisor(pipeline, HashMap::from([("t".to_owned(), settings)]), supervisor)
     }
 
