@@ -297,6 +297,24 @@ async fn connect_database(config: &Config) -> anyhow::Result<Option<PgPool>> {
     Ok(Some(pool))
 }
 
+/// The coordination bucket (`nats-kv` mode), created when missing, after
+/// the topologies (whose declaration checked `transport.replicas` against
+/// the cluster's size).
+async fn open_bucket(config: &Config) -> anyhow::Result<Option<async_nats::jetstream::kv::Store>> {
+    if config.cluster.mode != ClusterMode::NatsKv {
+        return Ok(None);
+    }
+    let kv = cluster::nats_kv::NatsKv::open(
+        &config.transport.urls(),
+        &format!("weir {}", config.node.name),
+        config.cluster.bucket(),
+        config.transport.replicas(),
+    )
+    .await
+    .with_context(|| format!("{}: cluster.mode = \"nats-kv\"", config.origin))?;
+    Ok(Some(kv))
+}
+
 /// Check every topology's retry schedule against the broker and declare it;
 /// the slot count of each, by name.
 async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
@@ -432,8 +450,9 @@ impl Node {
             stats: Arc::new(Stats::default()),
             observer: opts.settle_observer.clone(),
         });
-        let coordinator = cluster::coordinator(config, database)?;
         let topologies = declare_topologies(config, transport.as_ref()).await?;
+        let bucket = open_bucket(config).await?;
+        let coordinator = cluster::coordinator(config, database, bucket)?;
         let (stop, stop_rx) = watch::channel(false);
         let forwarders = forward_ingresses(config, &pipeline, &stop_rx);
         let slots = Arc::new(SlotSet::new(pipeline.clone(), topology_settings(config, &opts)));

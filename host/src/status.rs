@@ -1,6 +1,6 @@
 //! `weir status`: the cluster's slots (owner, epoch, state, lag, consumers,
-//! calls in flight) and nodes, from the coordinator database in `postgres`
-//! mode or from the admin listeners of one or more nodes in any mode;
+//! calls in flight) and nodes, from the coordinator database (`postgres`)
+//! or bucket (`nats-kv`) or from the admin listeners of one or more nodes in any mode;
 //! unowned slots in red; `--watch` redraws it.
 
 use std::path::PathBuf;
@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 
-use weir::cluster::postgres;
 use weir::cluster::status::Status;
+use weir::cluster::{nats_kv, postgres};
 use weir::config::{self, ClusterMode};
 use weir::node;
 
@@ -70,10 +70,10 @@ fn read(req: &Request) -> anyhow::Result<Status> {
         return Ok(Status::merge(views));
     }
     let Some(path) = &req.config else {
-        bail!("say where to look: --config FILE (postgres mode, or a node with node.admin) or --admin URL");
+        bail!("say where to look: --config FILE (postgres or nats-kv mode, or a node with node.admin) or --admin URL");
     };
     let cfg = config::load(path)?;
-    if cfg.cluster.mode != ClusterMode::Postgres {
+    if !cfg.cluster.leased() {
         let Some(addr) = cfg.node.admin else {
             bail!(
                 "{}: cluster.mode = \"{}\" keeps no cluster-wide record, and this config has no node.admin to ask; \
@@ -85,12 +85,30 @@ fn read(req: &Request) -> anyhow::Result<Status> {
         let token = req.token.clone().or_else(|| cfg.node.admin_token.clone());
         return from_admin(&format!("http://{addr}"), token.as_deref());
     }
-    let url = cfg.cluster.database_url.clone().unwrap_or_default();
     crate::runtime()?.block_on(async {
-        let pool = postgres::connect(&url)
+        let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
+            let kv = nats_kv::NatsKv::open(
+                &cfg.transport.urls(),
+                "weir status",
+                cfg.cluster.bucket(),
+                cfg.transport.replicas(),
+            )
             .await
-            .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
-        let mut status = postgres::status::status(&pool).await?;
+            .with_context(|| {
+                format!(
+                    "{}: cluster.bucket {:?} on transport.url",
+                    cfg.origin,
+                    cfg.cluster.bucket()
+                )
+            })?;
+            nats_kv::status(&kv, cfg.cluster.lease).await?
+        } else {
+            let url = cfg.cluster.database_url.clone().unwrap_or_default();
+            let pool = postgres::connect(&url)
+                .await
+                .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
+            postgres::status::status(&pool).await?
+        };
         // Lag and consumers per slot from the broker; a broker that cannot answer leaves them unknown.
         let transport = node::transport_for(&cfg)?;
         for s in &mut status.slots {

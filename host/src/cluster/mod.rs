@@ -1,7 +1,8 @@
 //! Who consumes which slot: a [`Coordinator`] per `cluster.mode`. `solo`
 //! and `static` decide at start ([`solo`], [`fixed`]); in `rabbitmq-sac` the
-//! broker decides ([`sac`]); in `postgres` a coordinator assigns slots with
-//! leases, live handoff and fencing ([`postgres`]). The assignment itself is
+//! broker decides ([`sac`]); in `postgres` and `nats-kv` a coordinator
+//! assigns slots with leases, live handoff and fencing ([`leased`], over
+//! [`postgres`] tables or a [`nats_kv`] bucket). The assignment itself is
 //! a pure function ([`assign`]); the slots a node runs are a
 //! [`slots::SlotSet`]; what the cluster looks like is a [`status::Status`].
 //!
@@ -11,6 +12,8 @@
 pub mod assign;
 pub mod coordinator;
 pub mod fixed;
+pub mod leased;
+pub mod nats_kv;
 pub mod postgres;
 pub mod sac;
 pub mod slots;
@@ -27,8 +30,13 @@ pub use coordinator::{Coordinator, Start};
 use crate::config::{ClusterMode, Config};
 
 /// The coordinator `config.cluster.mode` names; `database` is the
-/// coordinator database of `postgres` mode.
-pub fn coordinator(config: &Config, database: Option<PgPool>) -> anyhow::Result<Arc<dyn Coordinator>> {
+/// coordinator database of `postgres` mode, `bucket` the KV bucket of
+/// `nats-kv` mode (each opened at start, so that a wrong one stops it).
+pub fn coordinator(
+    config: &Config,
+    database: Option<PgPool>,
+    bucket: Option<async_nats::jetstream::kv::Store>,
+) -> anyhow::Result<Arc<dyn Coordinator>> {
     Ok(match config.cluster.mode {
         ClusterMode::Solo => Arc::new(solo::Solo),
         ClusterMode::Static => Arc::new(fixed::Static {
@@ -38,7 +46,8 @@ pub fn coordinator(config: &Config, database: Option<PgPool>) -> anyhow::Result<
         ClusterMode::Postgres => {
             let pool = database
                 .with_context(|| format!("{}: cluster.mode = \"postgres\" without a database", config.origin))?;
-            Arc::new(postgres::run::Postgres::new(pool, config))
+            Arc::new(postgres::Postgres::new(pool, config))
         }
+        ClusterMode::NatsKv => Arc::new(nats_kv::NatsKv::new(config, bucket)),
     })
 }

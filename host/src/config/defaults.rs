@@ -11,6 +11,9 @@ pub const REPLICAS: usize = 1;
 pub const REPLICAS_MAX: usize = 5;
 /// `cluster.lease`.
 pub const LEASE: Duration = Duration::from_secs(5);
+
+/// `cluster.bucket`: the JetStream KV bucket of `nats-kv` mode.
+pub const BUCKET: &str = "weir-coordination";
 /// `cluster.drain_deadline` when not set: 25 s (below the 30 s a
 /// supervisor such as Kubernetes gives a process between SIGTERM and
 /// SIGKILL), or the lease when that is longer.

@@ -381,7 +381,8 @@ impl TransportKind {
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
     /// `solo` (this node owns every slot), `static` (owned_slots), `postgres` (a coordinator
-    /// with leases), or `rabbitmq-sac` (RabbitMQ single active consumer).
+    /// with leases), `nats-kv` (the same, on a JetStream KV bucket), or `rabbitmq-sac`
+    /// (RabbitMQ single active consumer).
     #[serde(default)]
     pub mode: ClusterMode,
     /// The slots this node owns, in every topology; `static` mode only.
@@ -390,11 +391,15 @@ pub struct Cluster {
     /// Postgres URL of the coordinator; `postgres` mode only.
     #[serde(default)]
     pub database_url: Option<String>,
-    /// How long a node's slot lease lasts without renewal (`postgres` mode).
+    /// The JetStream KV bucket of `nats-kv` mode (default
+    /// [`defaults::BUCKET`]): one per cluster.
+    #[serde(default)]
+    pub bucket: Option<String>,
+    /// How long a node's slot lease lasts without renewal (`postgres` and `nats-kv` modes).
     #[serde(default = "defaults::lease", deserialize_with = "de_duration")]
     pub lease: Duration,
     /// How long a stopping node lets its running calls finish (`postgres`
-    /// mode). The node renews its lease throughout its drain; at this
+    /// and `nats-kv` modes). The node renews its lease throughout its drain; at this
     /// deadline it interrupts the calls still running (they are released to
     /// the broker, not failed), releases its slots and leaves. At least the
     /// lease: a node that crashed keeps its slots that long anyway. Default:
@@ -404,6 +409,16 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// `bucket`, or its default.
+    pub fn bucket(&self) -> &str {
+        self.bucket.as_deref().unwrap_or(defaults::BUCKET)
+    }
+
+    /// Is slot ownership leased from a coordinator (`postgres`, `nats-kv`)?
+    pub fn leased(&self) -> bool {
+        matches!(self.mode, ClusterMode::Postgres | ClusterMode::NatsKv)
+    }
+
     /// `drain_deadline`, or its default for this lease.
     pub fn drain_deadline(&self) -> Duration {
         self.drain_deadline
@@ -417,6 +432,7 @@ impl Default for Cluster {
             mode: ClusterMode::default(),
             owned_slots: None,
             database_url: None,
+            bucket: None,
             lease: defaults::LEASE,
             drain_deadline: None,
         }
@@ -474,6 +490,8 @@ pub enum ClusterMode {
     Static,
     /// A Postgres coordinator assigns slots with leases and fencing epochs.
     Postgres,
+    /// The same on a JetStream KV bucket: no database.
+    NatsKv,
     /// RabbitMQ's single active consumer enforces one consumer per slot queue.
     RabbitmqSac,
 }
@@ -485,6 +503,7 @@ impl ClusterMode {
             ClusterMode::Solo => "solo",
             ClusterMode::Static => "static",
             ClusterMode::Postgres => "postgres",
+            ClusterMode::NatsKv => "nats-kv",
             ClusterMode::RabbitmqSac => "rabbitmq-sac",
         }
     }

@@ -655,6 +655,41 @@ fn postgres_mode_needs_database_url() {
 }
 
 #[test]
+fn nats_kv_mode_needs_nats_and_names_a_bucket() {
+    // The default transport is the embedded one: no KV bucket there.
+    assert_one(
+        &base("").replace("[[topology]]", "[cluster]\nmode = \"nats-kv\"\n[[topology]]"),
+        "cluster.mode",
+        "needs transport.kind = \"nats\"",
+    );
+    let nats = "[transport]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n";
+    let c = parse(
+        &base("").replace(
+            "[[topology]]",
+            &format!("{nats}[cluster]\nmode = \"nats-kv\"\n[[topology]]"),
+        ),
+        "weir.toml",
+    )
+    .unwrap();
+    assert_eq!(c.cluster.mode, ClusterMode::NatsKv);
+    assert_eq!(c.cluster.bucket(), "weir-coordination");
+    assert!(c.cluster.leased());
+    assert_one(
+        &base("").replace(
+            "[[topology]]",
+            &format!("{nats}[cluster]\nmode = \"nats-kv\"\nbucket = \"a.b\"\n[[topology]]"),
+        ),
+        "cluster.bucket",
+        "cannot name a JetStream KV bucket",
+    );
+    assert_one(
+        &base("").replace("[[topology]]", "[cluster]\nbucket = \"b\"\n[[topology]]"),
+        "cluster.bucket",
+        "only read in nats-kv mode",
+    );
+}
+
+#[test]
 fn brokers_need_a_url() {
     assert_one(
         &base("").replace("[[topology]]", "[transport]\nkind = \"rabbitmq\"\n[[topology]]"),

@@ -233,12 +233,7 @@ impl Config {
         }
 
         let c = &self.cluster;
-        let mode = match c.mode {
-            ClusterMode::Solo => "solo",
-            ClusterMode::Static => "static",
-            ClusterMode::Postgres => "postgres",
-            ClusterMode::RabbitmqSac => "rabbitmq-sac",
-        };
+        let mode = c.mode.as_str();
         match (c.mode, &c.owned_slots) {
             (ClusterMode::Static, None) => errors.add(
                 "cluster.owned_slots",
@@ -309,8 +304,25 @@ impl Config {
         if c.mode == ClusterMode::RabbitmqSac && t.kind != TransportKind::Rabbitmq {
             errors.add(
                 "cluster.mode",
-                format!("\"rabbitmq-sac\" needs transport.kind = \"rabbitmq\", not {kind:?}; accepted with {kind:?}: solo, static or postgres"),
+                format!("\"rabbitmq-sac\" needs transport.kind = \"rabbitmq\", not {kind:?}; accepted with {kind:?}: solo, static, postgres{}", if t.kind == TransportKind::Nats { " or nats-kv" } else { "" }),
             );
+        }
+        if c.mode == ClusterMode::NatsKv && t.kind != TransportKind::Nats {
+            errors.add(
+                "cluster.mode",
+                format!("\"nats-kv\" keeps slot owners in a JetStream KV bucket of the transport's servers and needs transport.kind = \"nats\", not {kind:?}; accepted with {kind:?}: solo, static, postgres{}", if t.kind == TransportKind::Rabbitmq { " or rabbitmq-sac" } else { "" }),
+            );
+        }
+        match (c.mode, c.bucket.as_deref()) {
+            (ClusterMode::NatsKv, Some(b)) if !crate::config::validate::is_bucket_name(b) => errors.add(
+                "cluster.bucket",
+                format!("{b:?} cannot name a JetStream KV bucket; accepted: letters, digits, '_' and '-'"),
+            ),
+            (ClusterMode::NatsKv, _) | (_, None) => {}
+            (_, Some(_)) => errors.add(
+                "cluster.bucket",
+                format!("is only read in nats-kv mode, not in mode = {mode:?}; remove it or set mode = \"nats-kv\""),
+            ),
         }
         if c.lease.is_zero() {
             errors.add("cluster.lease", "is 0s; accepted: a positive duration such as \"5s\"");
@@ -663,4 +675,9 @@ impl Config {
             }
         }
     }
+}
+
+/// A JetStream KV bucket name: `[A-Za-z0-9_-]+`.
+pub(crate) fn is_bucket_name(b: &str) -> bool {
+    !b.is_empty() && b.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
 }

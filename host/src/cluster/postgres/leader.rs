@@ -9,10 +9,10 @@ use sqlx::Row as _;
 use uuid::Uuid;
 
 use super::listen::notify;
-use super::{Member, REASSIGN_MARGIN, secs};
+use super::{REASSIGN_MARGIN, Tables, secs};
 use crate::cluster::assign;
 
-impl Member {
+impl Tables {
     /// Take or keep the leader lease; true while this node leads.
     ///
     /// A follower that sees another node's live lease in its snapshot
@@ -204,15 +204,12 @@ impl Member {
 /// a follower's lease try while the leader's pass holds the leader row.
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use sqlx::Connection as _;
     use uuid::Uuid;
 
-    use super::super::{MIGRATOR, Member};
-    use crate::cluster::slots::{SlotSet, Supervisor};
-    use crate::dispatch::RunnerReport;
+    use super::super::{MIGRATOR, Tables};
 
     fn server() -> String {
         std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
@@ -243,27 +240,12 @@ mod tests {
             .await;
     }
 
-    fn member(pool: sqlx::PgPool) -> Member {
-        let (pipeline, settings) = SlotSet::inert_parts("t", 2).unwrap();
-        let supervisor: Supervisor = Arc::new(|_, _, mut stop, _| {
-            Box::pin(async move {
-                let _ = stop.wait_for(|s| *s).await;
-                Ok(RunnerReport::default())
-            })
-        });
-        let slots = SlotSet::with_supervisor(
-            pipeline,
-            std::collections::HashMap::from([("t".to_owned(), settings)]),
-            supervisor,
-        );
-        Member::new(
+    fn follower(pool: sqlx::PgPool) -> Tables {
+        Tables::new(
             pool,
             "follower",
             Duration::from_secs(5),
-            Duration::from_secs(5),
             vec![("t".to_owned(), 0), ("t".to_owned(), 1)],
-            Arc::new(slots),
-            Arc::default(),
         )
     }
 
@@ -289,7 +271,7 @@ mod tests {
             .execute(&mut *pass)
             .await
             .unwrap();
-        let follower = member(pool.clone());
+        let follower = follower(pool.clone());
         let tried = tokio::time::timeout(Duration::from_secs(2), follower.try_lead(Uuid::now_v7())).await;
         pass.rollback().await.unwrap();
         drop(follower);

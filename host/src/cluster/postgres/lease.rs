@@ -1,13 +1,13 @@
-//! This node's registration: register, mark leaving, leave (the lease is
-//! renewed by [`super::renewals`]).
+//! This node's registration: register, renew (from the loop's renewal
+//! task), mark leaving, leave.
 
 use anyhow::Context as _;
 use uuid::Uuid;
 
 use super::listen::notify;
-use super::{Member, secs};
+use super::{Tables, secs};
 
-impl Member {
+impl Tables {
     pub(super) async fn register(&self) -> anyhow::Result<Uuid> {
         let id = Uuid::now_v7();
         sqlx::query(
@@ -21,6 +21,20 @@ impl Member {
         .context("registering this node in weir_nodes")?;
         notify(&self.pool).await?;
         Ok(id)
+    }
+
+    /// Extend the lease; false when it had expired already (or the row is gone).
+    pub(super) async fn renew(&self, id: Uuid) -> anyhow::Result<bool> {
+        let r = sqlx::query(
+            "UPDATE weir_nodes SET lease_until = now() + make_interval(secs => $2), renewed_at = now() \
+             WHERE node_id = $1 AND lease_until > now()",
+        )
+        .bind(id)
+        .bind(secs(self.lease))
+        .execute(&self.pool)
+        .await
+        .context("renewing this node's lease")?;
+        Ok(r.rows_affected() == 1)
     }
 
     /// Mark this node `leaving`: the leader assigns it nothing more and

@@ -1,88 +1,46 @@
-//! The PostgreSQL coordinator (`cluster.mode = "postgres"`): node registry
-//! with leases, one leader by lease row, balanced slot assignment with live
-//! handoff, and fencing. Messages never touch the database.
+//! The PostgreSQL coordinator (`cluster.mode = "postgres"`): the leased loop
+//! of [`crate::cluster::leased`] over tables (`weir_nodes`, `weir_leader`,
+//! `weir_slots`). Messages never touch the database.
 //!
-//! Every node runs [`run::run`], a loop that ticks every [`TICK`]:
-//! 1. **Renew** its lease (`lease_until = now() + lease`, only while the
-//!    lease has not expired: an expired node registers again as a new node
-//!    and starts from no slots). The renewal is timed on the node's
-//!    monotonic clock from *before* the request was sent, so the node's own
-//!    deadline is never later than the database's. Renewals go out from a
-//!    task of their own every tick, several at once when the database is
-//!    slow ([`renewals`]): they never wait behind the other steps.
-//! 2. **Fence** when the last successful renewal is older than
-//!    `lease − fence margin`: interrupt the in-flight calls of every slot
-//!    and stop them; the fence is done once no call runs and none can
-//!    start (the drain's broker traffic goes on after it). This happens before the lease can expire, so
-//!    before the leader may hand the slots to anyone else. The fencing
-//!    deadline is a timer of its own: every database step is cut short when
-//!    it comes ([`step`]), so a stalled database cannot delay the fence.
-//! 3. **Lead**, if it holds (or can take) the leader lease. Each leader
-//!    action runs in one transaction that first locks the leader row and
-//!    re-checks the lease, so a leader that lost its lease (a pooler that
-//!    dropped its connection, a pause) changes nothing. The leader deletes
-//!    nodes whose lease expired more than [`REASSIGN_MARGIN`] ago and frees
-//!    their slots; assigns free slots (epoch + 1); and asks owners of slots
-//!    that should move to release them (`releasing`).
-//! 4. **Reconcile** its own slots: start the assigned ones; drain the
-//!    `releasing` ones (stop taking messages, return unstarted ones, wait
-//!    for every running call, stop consuming) and only then hand them,
-//!    epoch-checked, to the target the leader chose (epoch + 1), or set them
-//!    free when that node is gone (the leader assigns it at its next tick).
+//! What the tables add to the loop's guarantees:
+//! - Every lease is `lease_until` on the database clock (`now()`); a renewal
+//!   extends it only while it has not expired.
+//! - Each leader pass runs in one transaction that first locks the leader
+//!   row and re-checks the lease, so a leader that lost its lease (a pooler
+//!   that dropped its connection, a pause) changes nothing; and the
+//!   transaction is bounded (`idle_in_transaction_session_timeout`), so a
+//!   node that stalls inside it frees its locks for the others.
+//! - `NOTIFY weir_slots` at every commit that changes slots wakes every
+//!   node's loop ([`listen`]).
 //!
-//! 5. **Leave**, on stop: mark the node `leaving` (the leader assigns it
-//!    nothing more and picks targets for its slots), drain and release
-//!    every slot as in 4, then delete its row and give up the leader lease,
-//!    renewing the lease all along. At `cluster.drain_deadline` the calls
-//!    still running are interrupted (released to the broker, not failed); a
-//!    lease after that, a drain that still has not ended is given up and
-//!    the node exits without releasing those slots (the leader frees them
-//!    once the lease ran out). The leader also reassigns any slot whose
-//!    owner is no longer registered, whatever the order of events.
-//!
-//! All lease arithmetic is on the database clock; the node's own fencing
-//! deadline is on its monotonic clock, measured conservatively.
+//! The files: [`lease`] (register, renew, mark leaving, leave), [`leader`]
+//! (the leader pass), [`owned`] (this node's slots, release), [`listen`]
+//! (NOTIFY wake-ups), [`status`] (the registry as `weir status` shows it).
 
-//!
-//! The files: [`lease`] (register, renew, leave), [`leader`] (the leader
-//! pass), [`handoff`] (start, drain and release this node's slots, fence),
-//! [`listen`] (NOTIFY wake-ups), [`status`] (the registry as `weir status`
-//! shows it), [`run`] (the loop, and the [`crate::cluster::Coordinator`]
-//! of this mode).
-
-pub mod handoff;
 pub mod leader;
 pub mod lease;
 pub mod listen;
-pub mod margin;
-mod renewals;
-pub mod run;
+pub mod owned;
 pub mod status;
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context as _;
+use async_trait::async_trait;
+use futures::stream::BoxStream;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use super::slots::{SlotKey, SlotSet};
-
-/// How often a node renews, leads and reconciles.
-pub const TICK: Duration = Duration::from_millis(100);
-/// The leader frees an expired node's slots only this long after expiry.
-pub const REASSIGN_MARGIN: Duration = Duration::from_millis(500);
-
-/// Negative control for the handoff test, never for production: with this
-/// environment variable set to `1` a node gives a slot up in the database
-/// *before* draining it, so the next owner can start while calls still run.
-pub const NEGATIVE_CONTROL_NO_DRAIN: &str = "WEIR_NEGATIVE_CONTROL_NO_DRAIN";
-
-/// Negative control for the fencing test, never for production: with this
-/// environment variable set to `1` a node fences only after its lease
-/// expired (lease + 3 ticks), so the test can show it measures lateness.
-pub const NEGATIVE_CONTROL_LATE_FENCE: &str = "WEIR_NEGATIVE_CONTROL_LATE_FENCE";
+pub use super::leased::{
+    Member, NEGATIVE_CONTROL_LATE_FENCE, NEGATIVE_CONTROL_NO_DRAIN, REASSIGN_MARGIN, TICK, fence_margin,
+};
+use super::leased::{Mine, Store, run};
+use super::slots::SlotKey;
+use crate::cluster::coordinator::{Coordinator, Start};
+use crate::cluster::status::Status;
+use crate::config::Config;
 
 /// Negative control for the stalled-leader test, never for production: with
 /// this environment variable set to `1` a node's transactions have no
@@ -116,86 +74,43 @@ pub fn redact(url: &str) -> String {
     crate::transport::redact_url(url)
 }
 
-/// Margin between fencing and lease expiry: a quarter of the lease, at
-/// least three ticks.
-pub fn fence_margin(lease: Duration) -> Duration {
-    (lease / 4).max(TICK * 3)
-}
-
 pub(super) fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-/// One node's view of the coordinator.
-pub struct Member {
+/// Connections one node's coordinator opens at most: the renewals' own
+/// ([`crate::cluster::leased::renewals::IN_FLIGHT`]), the loop's steps (and
+/// its `LISTEN`), and a spare.
+pub const NODE_CONNECTIONS: u32 = crate::cluster::leased::renewals::IN_FLIGHT as u32 + 3;
+
+/// The pool one node's coordinator runs on ([`NODE_CONNECTIONS`]
+/// connections, opened lazily). Call it on the runtime that runs the loop:
+/// the connections' I/O is driven there.
+pub fn node_pool(options: PgConnectOptions) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(NODE_CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(options)
+}
+
+/// One node's registry in the database: the [`Store`] of `postgres` mode.
+pub struct Tables {
     pub(super) pool: PgPool,
     pub(super) name: String,
     pub(super) lease: Duration,
-    /// `cluster.drain_deadline`: how long a leaving node lets its calls run.
-    pub(super) drain_deadline: Duration,
     /// Every (topology, slot) of the config, in order.
     pub(super) all_slots: Vec<SlotKey>,
-    pub(super) slots: Arc<SlotSet>,
-    pub(super) no_drain: bool,
-    /// True while this node holds a live lease (for `GET /ready`).
-    pub(super) ready: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// The loop's state between ticks.
-pub(super) struct Tick {
-    pub(super) node_id: Uuid,
-    /// Monotonic time the last successful renewal was *sent*.
-    pub(super) renewed: Option<Instant>,
-    pub(super) fenced: bool,
-    pub(super) leader: bool,
-    /// Slots being drained for release, with the epoch to release.
-    pub(super) releasing: HashMap<SlotKey, tokio::task::JoinHandle<()>>,
-    /// Epoch of each slot this node runs.
-    pub(super) epochs: HashMap<SlotKey, i64>,
-    /// Slots the database gave this node at the last reconcile.
-    pub(super) owned: usize,
-}
-
-impl Member {
-    /// A coordinator for this node over `pool`.
-    pub fn new(
-        pool: PgPool,
-        name: &str,
-        lease: Duration,
-        drain_deadline: Duration,
-        all_slots: Vec<SlotKey>,
-        slots: Arc<SlotSet>,
-        ready: Arc<std::sync::atomic::AtomicBool>,
-    ) -> Self {
-        let no_drain = std::env::var(NEGATIVE_CONTROL_NO_DRAIN).is_ok_and(|v| v == "1");
-        if no_drain {
-            tracing::error!(
-                "{NEGATIVE_CONTROL_NO_DRAIN}=1: slots are given up BEFORE their drain (a test's negative control; never in production)"
-            );
-        }
+impl Tables {
+    /// The registry of node `name` (lease `lease`, the config's slots `all_slots`) over `pool`.
+    pub fn new(pool: PgPool, name: &str, lease: Duration, all_slots: Vec<SlotKey>) -> Self {
         Self {
             pool,
             name: name.to_owned(),
             lease,
-            drain_deadline,
             all_slots,
-            slots,
-            no_drain,
-            ready,
         }
-    }
-
-    /// The fence margin, with its lateness probe running on the node's
-    /// runtime (where the calls a fence interrupts are driven).
-    pub(super) fn margin(&self) -> margin::Margin {
-        let (m, probe) = margin::Margin::new(self.lease);
-        self.slots.runtime().spawn(probe);
-        m
-    }
-
-    /// How long one database step may take: half the fence margin.
-    pub(super) fn db_timeout(&self) -> Duration {
-        (fence_margin(self.lease) / 2).max(TICK)
     }
 
     /// `idle_in_transaction_session_timeout` of this node's transactions, in
@@ -205,40 +120,97 @@ impl Member {
         if std::env::var(NEGATIVE_CONTROL_NO_TX_TIMEOUT).is_ok_and(|v| v == "1") {
             return "0".to_owned();
         }
-        self.db_timeout().as_millis().to_string()
+        super::leased::step_timeout(self.lease).as_millis().to_string()
     }
 }
 
-/// One database step of the loop: `f`, or an error once `db_timeout` passed
-/// or the fencing deadline came, whichever is first. The fencing deadline is
-/// a timer of its own: no step can hold the loop past it.
-pub(super) async fn step<T>(
-    c: &Member,
-    fence_at: Option<Instant>,
-    f: impl std::future::Future<Output = anyhow::Result<T>>,
-) -> anyhow::Result<T> {
-    let limit = Instant::now() + c.db_timeout();
-    let until = fence_at.map_or(limit, |f| f.min(limit));
-    match tokio::time::timeout_at(until.into(), f).await {
-        Ok(r) => r,
-        Err(_) if until < limit => Err(anyhow::anyhow!(
-            "the fencing deadline came before the database answered"
-        )),
-        Err(_) => Err(anyhow::anyhow!(
-            "no answer from the database within {:?}",
-            c.db_timeout()
-        )),
+#[async_trait]
+impl Store for Tables {
+    fn what(&self) -> &'static str {
+        "the database"
+    }
+    async fn register(&self) -> anyhow::Result<Uuid> {
+        Tables::register(self).await
+    }
+    async fn renew(&self, id: Uuid) -> anyhow::Result<bool> {
+        Tables::renew(self, id).await
+    }
+    async fn mark_leaving(&self, id: Uuid) -> anyhow::Result<()> {
+        Tables::mark_leaving(self, id).await
+    }
+    async fn leave(&self, id: Uuid) -> anyhow::Result<()> {
+        Tables::leave(self, id).await
+    }
+    async fn try_lead(&self, id: Uuid) -> anyhow::Result<bool> {
+        Tables::try_lead(self, id).await
+    }
+    async fn lead(&self, id: Uuid) -> anyhow::Result<()> {
+        Tables::lead(self, id).await
+    }
+    async fn mine(&self, id: Uuid) -> anyhow::Result<Mine> {
+        Tables::mine(self, id).await
+    }
+    async fn release(&self, id: Uuid, key: &SlotKey, epoch: i64) -> anyhow::Result<bool> {
+        Tables::release(self, id, key, epoch).await
+    }
+    async fn changes(&self) -> anyhow::Result<BoxStream<'static, ()>> {
+        listen::changes(&self.pool).await
     }
 }
 
-/// `f`, or an error once `limit` passed: a database that stops answering
-/// must not stop the loop from fencing in time.
-pub(super) async fn bounded<T>(
-    limit: Duration,
-    f: impl std::future::Future<Output = anyhow::Result<T>>,
-) -> anyhow::Result<T> {
-    match tokio::time::timeout(limit, f).await {
-        Ok(r) => r,
-        Err(_) => Err(anyhow::anyhow!("no answer from the database within {limit:?}")),
+/// `cluster.mode = "postgres"`: slots are assigned by the coordinator
+/// database; nothing runs until this node is given some.
+pub struct Postgres {
+    pool: PgPool,
+    setup: run::Setup,
+}
+
+impl Postgres {
+    /// This node's membership over `pool` (connected and migrated).
+    pub fn new(pool: PgPool, config: &Config) -> Self {
+        Self {
+            pool,
+            setup: run::Setup {
+                name: config.node.name.clone(),
+                lease: config.cluster.lease,
+                drain_deadline: config.cluster.drain_deadline(),
+            },
+        }
+    }
+}
+
+#[async_trait]
+impl Coordinator for Postgres {
+    /// The coordinator starts slots as it is assigned them.
+    fn initial_slots(&self, _slots: u32) -> Vec<u32> {
+        Vec::new()
+    }
+
+    /// Ready once the lease is renewed.
+    fn ready_at_start(&self) -> bool {
+        false
+    }
+
+    /// The loop runs on a thread of its own ([`run::spawn`]), with a pool
+    /// of its own.
+    fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
+        let options = (*self.pool.connect_options()).clone();
+        let (name, lease) = (self.setup.name.clone(), self.setup.lease);
+        let all = start.all.clone();
+        let setup = run::Setup {
+            name: name.clone(),
+            ..self.setup
+        };
+        Some(run::spawn(setup, start, move || {
+            let (options, name, all) = (options.clone(), name.clone(), all.clone());
+            Box::pin(async move {
+                let store: Arc<dyn Store> = Arc::new(Tables::new(node_pool(options), &name, lease, all));
+                Ok(store)
+            })
+        }))
+    }
+
+    async fn status(&self) -> anyhow::Result<Option<Status>> {
+        status::status(&self.pool).await.map(Some)
     }
 }

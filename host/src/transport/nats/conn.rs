@@ -74,6 +74,42 @@ impl Default for NatsOptions {
     }
 }
 
+/// `urls` with credentials hidden, for logs and errors.
+fn shown(urls: &[String]) -> String {
+    urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(", ")
+}
+
+/// A client of the server at any of `urls` (the nodes of a cluster, tried in
+/// the order given), as every part of Weir connects: pings every
+/// [`PING_INTERVAL`], reconnects for ever with a short backoff, requests
+/// bounded by [`REQUEST_TIMEOUT`]. `name` is the connection name the server
+/// shows. One attempt: callers own the backoff of the first connect.
+pub async fn connect(urls: &[String], name: &str) -> Result<async_nats::Client, TransportError> {
+    let mut options = async_nats::ConnectOptions::new();
+    if std::env::var(NEGATIVE_CONTROL_DEFAULT_PINGS).is_ok_and(|v| v == "1") {
+        tracing::error!(
+            "{NEGATIVE_CONTROL_DEFAULT_PINGS}=1: a hung server is noticed only after minutes (a test's negative control; never in production)"
+        );
+    } else {
+        options = options.ping_interval(PING_INTERVAL);
+    }
+    options
+        .name(name)
+        .connection_timeout(REQUEST_TIMEOUT)
+        .request_timeout(Some(REQUEST_TIMEOUT))
+        .max_reconnects(None)
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis(100u64.saturating_mul(1 << attempts.min(5)).min(2_000))
+        })
+        .event_callback(|event| async move {
+            tracing::info!(messaging.system = SYSTEM, %event, "connection event");
+        })
+        .retain_servers_order()
+        .connect(urls)
+        .await
+        .map_err(|e| TransportError::new(ErrorKind::Connection, format!("connecting to {}: {e}", shown(urls))))
+}
+
 /// A live connection. async-nats reconnects it by itself, so once made it is
 /// kept for the transport's life.
 #[derive(Clone)]
@@ -142,29 +178,7 @@ impl Nats {
             return Ok(c.clone());
         }
         let shown = self.shown_urls();
-        let mut options = async_nats::ConnectOptions::new();
-        if std::env::var(NEGATIVE_CONTROL_DEFAULT_PINGS).is_ok_and(|v| v == "1") {
-            tracing::error!(
-                "{NEGATIVE_CONTROL_DEFAULT_PINGS}=1: a hung server is noticed only after minutes (a test's negative control; never in production)"
-            );
-        } else {
-            options = options.ping_interval(PING_INTERVAL);
-        }
-        let client = options
-            .name(&self.inner.name)
-            .connection_timeout(REQUEST_TIMEOUT)
-            .request_timeout(Some(REQUEST_TIMEOUT))
-            .max_reconnects(None)
-            .reconnect_delay_callback(|attempts| {
-                Duration::from_millis(100u64.saturating_mul(1 << attempts.min(5)).min(2_000))
-            })
-            .event_callback(|event| async move {
-                tracing::info!(messaging.system = SYSTEM, %event, "connection event");
-            })
-            .retain_servers_order()
-            .connect(self.inner.urls.as_slice())
-            .await
-            .map_err(|e| TransportError::new(ErrorKind::Connection, format!("connecting to {shown}: {e}")))?;
+        let client = connect(&self.inner.urls, &self.inner.name).await?;
         let js = jetstream::new(client.clone());
         tracing::info!(messaging.system = SYSTEM, url = %shown, "connected");
         let conn = Conn { client, js };
@@ -174,12 +188,7 @@ impl Nats {
 
     /// The URLs with credentials hidden, for logs and errors.
     pub(super) fn shown_urls(&self) -> String {
-        self.inner
-            .urls
-            .iter()
-            .map(|u| redact_url(u))
-            .collect::<Vec<_>>()
-            .join(", ")
+        shown(&self.inner.urls)
     }
 
     pub(super) fn spec(&self, topology: &str) -> Result<TopologySpec, TransportError> {

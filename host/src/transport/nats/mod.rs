@@ -84,7 +84,7 @@ pub mod wire;
 
 use async_trait::async_trait;
 
-pub use conn::{Nats, NatsOptions};
+pub use conn::{Nats, NatsOptions, connect};
 
 use crate::envelope::Wire;
 use crate::transport::{ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};

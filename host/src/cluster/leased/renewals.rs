@@ -1,36 +1,37 @@
 //! The lease renewals, on a task of their own beside the loop.
 //!
 //! A renewal must never wait behind the loop's other steps (a leader pass,
-//! a reconcile, each allowed its database timeout), nor be thrown away
+//! a reconcile, each allowed its step timeout), nor be thrown away
 //! because one answer was slow: on a starved machine a round trip can take
 //! longer than a step may, and a node that gives up on each one fences with
-//! its database merely slow. So a renewal is sent every [`interval`] (a
+//! its store merely slow. So a renewal is sent every [`interval`] (a
 //! tenth of the lease, at least a [`TICK`]), whatever the loop does, with
-//! up to [`IN_FLIGHT`] of them waiting at once on
-//! connections of their own, and each is kept when it comes back, however
-//! late. The loop reads the newest one sent that succeeded: it is timed
-//! from before it was sent, so the node's deadline is never later than the
-//! database's (`lease_until = now() + lease` at the commit).
+//! up to [`IN_FLIGHT`] of them waiting at once, and each is kept when it
+//! comes back, however late. The loop reads the newest one sent that
+//! succeeded: it is timed from before it was sent, so the node's deadline is
+//! never later than the store's (which counts the lease from when the
+//! renewal arrived).
 
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt as _};
-use sqlx::postgres::PgPool;
+use std::sync::Arc;
+
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use super::{TICK, secs};
+use super::{Store, TICK};
 
 /// Renewals waiting for an answer at most, each on its own connection.
-pub(super) const IN_FLIGHT: usize = 2;
+pub(crate) const IN_FLIGHT: usize = 2;
 
 /// How often a lease is renewed: a tenth of it, at least a [`TICK`]. The
 /// fence comes `lease − margin` after the newest renewal sent (the margin is
 /// a quarter of the lease at least), so a tenth leaves seven renewals or
 /// more to succeed before a fence, while a 5 s lease costs the database 2
 /// renewals a second per node instead of 10 (docs/SCALE.md).
-pub(super) fn interval(lease: Duration) -> Duration {
+pub(crate) fn interval(lease: Duration) -> Duration {
     (lease / 10).max(TICK)
 }
 
@@ -59,13 +60,13 @@ impl Drop for Renewals {
 impl Renewals {
     /// Renew `id`'s lease from now on; `registered` is when its
     /// registration was sent (its lease counts from then).
-    pub(super) fn start(pool: PgPool, lease: Duration, id: Uuid, registered: Instant) -> Self {
+    pub(crate) fn start(store: Arc<dyn Store>, lease: Duration, id: Uuid, registered: Instant) -> Self {
         let (tx, state) = watch::channel(Renewed {
             sent: Some(registered),
             expired: false,
         });
         let (registration, current) = watch::channel((id, registered));
-        let task = tokio::spawn(run(pool, lease, current, tx));
+        let task = tokio::spawn(run(store, lease, current, tx));
         Self {
             state,
             registration,
@@ -84,7 +85,12 @@ impl Renewals {
     }
 }
 
-async fn run(pool: PgPool, lease: Duration, mut current: watch::Receiver<(Uuid, Instant)>, tx: watch::Sender<Renewed>) {
+async fn run(
+    store: Arc<dyn Store>,
+    lease: Duration,
+    mut current: watch::Receiver<(Uuid, Instant)>,
+    tx: watch::Sender<Renewed>,
+) {
     let mut ticks = tokio::time::interval(interval(lease));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut waiting = FuturesUnordered::new();
@@ -95,12 +101,12 @@ async fn run(pool: PgPool, lease: Duration, mut current: watch::Receiver<(Uuid, 
             _ = ticks.tick() => {
                 let (id, _) = *current.borrow();
                 if waiting.len() < IN_FLIGHT && !tx.borrow().expired {
-                    let pool = pool.clone();
+                    let store = store.clone();
                     waiting.push(async move {
                         let sent = Instant::now();
                         // Kept however late it comes, but not for ever: a
                         // renewal older than the lease is worth nothing.
-                        let r = match tokio::time::timeout(lease, renew(&pool, id, lease)).await {
+                        let r = match tokio::time::timeout(lease, store.renew(id)).await {
                             Ok(r) => r,
                             Err(_) => Err(anyhow::anyhow!("no answer within the lease ({lease:?})")),
                         };
@@ -145,21 +151,6 @@ async fn run(pool: PgPool, lease: Duration, mut current: watch::Receiver<(Uuid, 
             }
         }
     }
-}
-
-/// Extend the lease; false when it had expired already (or the row is gone).
-pub(super) async fn renew(pool: &PgPool, id: Uuid, lease: Duration) -> anyhow::Result<bool> {
-    use anyhow::Context as _;
-    let r = sqlx::query(
-        "UPDATE weir_nodes SET lease_until = now() + make_interval(secs => $2), renewed_at = now() \
-         WHERE node_id = $1 AND lease_until > now()",
-    )
-    .bind(id)
-    .bind(secs(lease))
-    .execute(pool)
-    .await
-    .context("renewing this node's lease")?;
-    Ok(r.rows_affected() == 1)
 }
 
 #[cfg(test)]

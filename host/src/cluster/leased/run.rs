@@ -1,125 +1,125 @@
-//! The coordinator loop of `postgres` mode (see the module docs of
+//! The coordinator loop of the leased modes (see the module docs of
 //! [`super`]): renew, fence, lead, reconcile every tick; leave on stop.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
-use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::handoff::{fence, fence_all};
-use super::listen::Wakeups;
 use super::renewals::Renewals;
-use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, TICK, Tick, bounded, step};
-use crate::cluster::coordinator::{Coordinator, Start};
-use crate::cluster::status::Status;
-use crate::config::Config;
+use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, Store, TICK, Tick, bounded, step};
+use crate::cluster::coordinator::Start;
 
 /// Nice value of the coordinator thread: above every other thread of the
 /// node (and of a machine's ordinary processes), so that renewing and
 /// fencing are not starved by calls, compilers or neighbours.
 const COORDINATOR_NICE: i32 = -10;
 
-/// `cluster.mode = "postgres"`: slots are assigned by the coordinator
-/// database; nothing runs until this node is given some.
-pub struct Postgres {
-    pool: PgPool,
-    name: String,
-    lease: Duration,
-    drain_deadline: Duration,
+/// What a leased mode's coordinator needs to start its loop.
+pub struct Setup {
+    /// `[node] name`.
+    pub name: String,
+    /// `cluster.lease`.
+    pub lease: Duration,
+    /// `cluster.drain_deadline`.
+    pub drain_deadline: Duration,
 }
 
-impl Postgres {
-    /// This node's membership over `pool` (connected and migrated).
-    pub fn new(pool: PgPool, config: &Config) -> Self {
-        Self {
-            pool,
-            name: config.node.name.clone(),
-            lease: config.cluster.lease,
-            drain_deadline: config.cluster.drain_deadline(),
+/// Run the loop on a thread of its own (`weir-coordinator`), with its own
+/// runtime and its own connections to the store (`open` makes them, on that
+/// runtime), at a raised priority where the node may raise it: a node whose
+/// runtime and cores are busy must still renew its lease, and fence in time
+/// when it cannot.
+pub fn spawn(
+    setup: Setup,
+    start: Start,
+    open: impl Fn() -> BoxFuture<'static, anyhow::Result<Arc<dyn Store>>> + Send + 'static,
+) -> JoinHandle<anyhow::Result<()>> {
+    let (done, result) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new().name("weir-coordinator".into()).spawn(move || {
+        if let Err(e) = crate::sched::nice_current_thread(COORDINATOR_NICE) {
+            tracing::info!(error = %e, "the coordinator thread runs at normal priority (raising it needs CAP_SYS_NICE); under CPU starvation its fence margin grows instead");
+        }
+        let ran = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt.block_on(async move {
+                // Connections made on this thread's runtime: their I/O is
+                // driven here, not by the node's busy runtime.
+                let mut stop = start.stop.clone();
+                let Some(store) = until_done("connecting to the coordinator", &mut stop, &open).await else {
+                    return Ok(());
+                };
+                let member = Member::new(
+                    store,
+                    &setup.name,
+                    setup.lease,
+                    setup.drain_deadline,
+                    start.slots,
+                    start.ready,
+                );
+                run(member, start.stop).await
+            }),
+            Err(e) => Err(anyhow::Error::new(e).context("starting the coordinator thread's runtime")),
+        };
+        let _ = done.send(ran);
+    });
+    if let Err(e) = thread {
+        return tokio::spawn(async move { Err(anyhow::Error::new(e).context("starting the coordinator thread")) });
+    }
+    tokio::spawn(async move {
+        result.await.unwrap_or_else(|_| {
+            Err(anyhow::anyhow!(
+                "the coordinator thread ended without a result (it panicked)"
+            ))
+        })
+    })
+}
+
+/// The store's change stream, so a node acts on a change at once instead of
+/// at its next tick (the handoff pause is two such waits). Best effort:
+/// without one the loop still runs every tick, and it asks again at most
+/// once a second.
+#[derive(Default)]
+struct Wakeups {
+    changes: Option<BoxStream<'static, ()>>,
+    tried: Option<Instant>,
+}
+
+impl Wakeups {
+    async fn ensure(&mut self, c: &Member, fence_at: Option<Instant>) {
+        if self.changes.is_some() || self.tried.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        self.tried = Some(Instant::now());
+        match step(c, fence_at, c.store.changes()).await {
+            Ok(s) => self.changes = Some(s),
+            Err(e) => tracing::debug!(error = %format!("{e:#}"), "cannot follow cluster changes; ticking only"),
         }
     }
-}
 
-#[async_trait]
-impl Coordinator for Postgres {
-    /// The coordinator starts slots as it is assigned them.
-    fn initial_slots(&self, _slots: u32) -> Vec<u32> {
-        Vec::new()
-    }
-
-    /// Ready once the lease is renewed.
-    fn ready_at_start(&self) -> bool {
-        false
-    }
-
-    /// The loop runs on a thread of its own (`weir-coordinator`), with its
-    /// own runtime and database connections, at a raised priority where
-    /// the node may raise it: a node whose runtime and cores are busy must
-    /// still renew its lease, and fence in time when it cannot.
-    fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
-        let options = (*self.pool.connect_options()).clone();
-        let (name, lease, drain_deadline) = (self.name.clone(), self.lease, self.drain_deadline);
-        let (done, result) = tokio::sync::oneshot::channel();
-        let thread = std::thread::Builder::new().name("weir-coordinator".into()).spawn(move || {
-            if let Err(e) = crate::sched::nice_current_thread(COORDINATOR_NICE) {
-                tracing::info!(error = %e, "the coordinator thread runs at normal priority (raising it needs CAP_SYS_NICE); under CPU starvation its fence margin grows instead");
-            }
-            let ran = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(rt) => rt.block_on(async move {
-                    // Connections made on this thread's runtime: their I/O
-                    // is driven here, not by the node's busy runtime.
-                    let pool = node_pool(options);
-                    let member =
-                        Member::new(pool, &name, lease, drain_deadline, start.all, start.slots, start.ready);
-                    run(member, start.stop).await
-                }),
-                Err(e) => Err(anyhow::Error::new(e).context("starting the coordinator thread's runtime")),
-            };
-            let _ = done.send(ran);
-        });
-        if let Err(e) = thread {
-            return Some(tokio::spawn(async move {
-                Err(anyhow::Error::new(e).context("starting the coordinator thread"))
-            }));
+    /// The next change (and any that queued up behind it); never returns
+    /// without a stream.
+    async fn next(&mut self) {
+        let Some(s) = self.changes.as_mut() else {
+            return std::future::pending().await;
+        };
+        match s.next().await {
+            Some(()) => while let Some(Some(())) = futures::FutureExt::now_or_never(s.next()) {},
+            None => self.changes = None,
         }
-        Some(tokio::spawn(async move {
-            result.await.unwrap_or_else(|_| {
-                Err(anyhow::anyhow!(
-                    "the coordinator thread ended without a result (it panicked)"
-                ))
-            })
-        }))
     }
-
-    async fn status(&self) -> anyhow::Result<Option<Status>> {
-        super::status::status(&self.pool).await.map(Some)
-    }
-}
-
-/// Connections one node's coordinator opens at most: the renewals' own
-/// ([`super::renewals::IN_FLIGHT`]), the loop's steps (and its `LISTEN`),
-/// and a spare.
-pub const NODE_CONNECTIONS: u32 = super::renewals::IN_FLIGHT as u32 + 3;
-
-/// The pool one node's coordinator runs on ([`NODE_CONNECTIONS`]
-/// connections, opened lazily). Call it on the runtime that runs [`run`]:
-/// the connections' I/O is driven there.
-pub fn node_pool(options: PgConnectOptions) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(NODE_CONNECTIONS)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_lazy_with(options)
 }
 
 /// Where a node is in its leaving sequence (after `stop`).
 struct Leaving {
     /// When the stop came.
     since: Instant,
-    /// The `leaving` mark is in the database.
+    /// The `leaving` mark is in the store.
     marked: bool,
     /// The drain deadline passed: every call was interrupted.
     interrupted: bool,
@@ -131,9 +131,16 @@ struct Leaving {
 /// and the node fences itself whenever it cannot renew in time, leaving or
 /// not.
 pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
-    let registered = Instant::now();
+    let mut registered = Instant::now();
+    let register = || {
+        registered = Instant::now();
+        bounded(c.store.what(), c.step_timeout(), c.store.register())
+    };
+    let Some(node_id) = until_done("registering with the coordinator", &mut stop, register).await else {
+        return Ok(());
+    };
     let mut st = Tick {
-        node_id: c.register().await?,
+        node_id,
         renewed: Some(registered),
         fenced: false,
         leader: false,
@@ -148,7 +155,7 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
             "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
         );
     }
-    let renewals = Renewals::start(c.pool.clone(), c.lease, st.node_id, registered);
+    let renewals = Renewals::start(c.store.clone(), c.lease, st.node_id, registered);
     let mut margin = c.margin();
     let mut listener = Wakeups::default();
     let mut leaving: Option<Leaving> = None;
@@ -233,7 +240,7 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
                 break;
             }
             let sent = Instant::now();
-            match step(&c, None, c.register()).await {
+            match step(&c, None, c.store.register()).await {
                 Ok(id) => {
                     st.node_id = id;
                     st.renewed = Some(sent);
@@ -251,7 +258,7 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
         let fresh = st.renewed.is_some_and(|r| r.elapsed() < fence_after);
         if fresh {
             if st.fenced {
-                tracing::info!(node = %c.name, "database reachable again; lease renewed");
+                tracing::info!(node = %c.name, "coordinator reachable again; lease renewed");
                 st.fenced = false;
             }
             if leaving.is_none() {
@@ -264,7 +271,7 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
         }
         let fence_at = st.renewed.map(|r| r + fence_after);
         if let Some(l) = leaving.as_mut().filter(|l| !l.marked) {
-            match step(&c, fence_at, c.mark_leaving(st.node_id)).await {
+            match step(&c, fence_at, c.store.mark_leaving(st.node_id)).await {
                 Ok(()) => l.marked = true,
                 Err(e) => {
                     tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying")
@@ -274,13 +281,13 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
         // A leaving node keeps the leadership it has (and its duties) but
         // does not take it.
         if leaving.is_none() || st.leader {
-            match step(&c, fence_at, c.try_lead(st.node_id)).await {
+            match step(&c, fence_at, c.store.try_lead(st.node_id)).await {
                 Ok(lead) => {
                     if lead != st.leader {
                         tracing::info!(node = %c.name, leader = lead, "leadership changed");
                     }
                     st.leader = lead;
-                    if lead && let Err(e) = step(&c, fence_at, c.lead(st.node_id)).await {
+                    if lead && let Err(e) = step(&c, fence_at, c.store.lead(st.node_id)).await {
                         tracing::warn!(error = %format!("{e:#}"), "leader pass failed");
                     }
                 }
@@ -292,7 +299,7 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
         }
     }
     // Every slot is drained (or fenced): give up what is left and the
-    // registration. Bounded: a database that does not answer lets the lease
+    // registration. Bounded: a store that does not answer lets the lease
     // expire, and the leader frees the slots then.
     for (_, h) in st.releasing.drain() {
         h.abort();
@@ -300,13 +307,46 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
     c.slots.interrupt_and_drain_all().await;
     // Renewed until here: the lease must outlive the drain.
     drop(renewals);
-    match bounded(c.db_timeout() * 2, c.leave(st.node_id)).await {
+    match bounded(c.store.what(), c.step_timeout() * 2, c.store.leave(st.node_id)).await {
         Ok(()) => tracing::info!(node = %c.name, "left the cluster: slots freed for the others"),
         Err(e) => {
             tracing::warn!(node = %c.name, error = %format!("{e:#}"), "could not leave the cluster cleanly; the leader frees this node's slots when its lease expires")
         }
     }
     Ok(())
+}
+
+/// `f` until it succeeds, every second, warning once per failure streak and
+/// then every minute; `None` when the node stops first (nothing to undo).
+async fn until_done<T, F: std::future::Future<Output = anyhow::Result<T>>>(
+    what: &str,
+    stop: &mut watch::Receiver<bool>,
+    mut f: impl FnMut() -> F,
+) -> Option<T> {
+    let mut warned: Option<Instant> = None;
+    loop {
+        if *stop.borrow() {
+            return None;
+        }
+        match f().await {
+            Ok(v) => {
+                if warned.is_some() {
+                    tracing::info!("{what}: done");
+                }
+                return Some(v);
+            }
+            Err(e) => {
+                if warned.is_none_or(|w| w.elapsed() >= Duration::from_secs(60)) {
+                    warned = Some(Instant::now());
+                    tracing::warn!(error = %format!("{e:#}"), "{what} failed; trying again every second (the node takes no slot until then)");
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = stop.changed() => {}
+        }
+    }
 }
 
 /// Sleep until `at`; never returns without one.
