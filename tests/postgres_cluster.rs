@@ -2,7 +2,10 @@
 //! PostgreSQL (a database per test) and RabbitMQ (a topology per test). Every
 //! node writes a journal (`weir::observe::journal`); the journals are checked
 //! together for intra-group overlap and completeness. The failover and
-//! handoff tests run on NATS JetStream too (`*_nats`).
+//! handoff tests run on NATS JetStream too (`*_nats`), and the scale,
+//! failover and handoff tests (with its red baseline) also with
+//! `cluster.mode = "nats-kv"` (`*_nats_kv`: a KV bucket per test, no
+//! database), through the same helpers ([`Registry`] reads either).
 //!
 //! - `scale_out_and_in_under_load`: 1 → 3 → 2 nodes while messages flow;
 //!   balanced at each step; nothing lost, no overlap.
@@ -41,6 +44,7 @@ use common::cluster::{self, Cluster};
 use common::nats::Topo as NatsTopo;
 use common::pg::{Proxy, TestDb};
 use common::rabbit::{Topo, url};
+use common::registry::{self, KvBucket, Registry};
 use weir::envelope::Envelope;
 use weir::observe::journal::{self, Report};
 use weir::partition;
@@ -91,7 +95,7 @@ fn config(broker: &Broker, db_url: &str, node: &str) -> String {
 /// `admin` (for `/metrics`).
 fn config_with(broker: &Broker, db_url: &str, node: &str, extra: &str, admin: Option<u16>) -> String {
     let lease = LEASE.as_millis();
-    let postgres = format!("mode = \"postgres\"\ndatabase_url = \"{db_url}\"\nlease = \"{lease}ms\"\n{extra}");
+    let postgres = format!("{}lease = \"{lease}ms\"\n{extra}", registry::cluster(db_url));
     let text = config_body(broker, node, &postgres);
     match admin {
         Some(port) => text.replacen("[node]\n", &format!("[node]\nadmin = \"127.0.0.1:{port}\"\n"), 1),
@@ -144,20 +148,17 @@ fn stream(broker: &Broker, msgs: Vec<Envelope>, over: Duration) -> std::thread::
     })
 }
 
-/// Slot owners by node name, from the database (assigned slots only).
-fn owners(db: &TestDb) -> HashMap<u32, String> {
+/// Slot owners by node name, from the database or bucket (assigned slots only).
+fn owners(db: &dyn Registry) -> HashMap<u32, String> {
     db.slot_owners()
 }
 
-fn leader(db: &TestDb) -> Option<String> {
-    db.query("SELECT n.name FROM weir_leader l JOIN weir_nodes n ON n.node_id = l.node_id WHERE l.lease_until > now()")
-        .into_iter()
-        .next()
-        .and_then(|r| r[0].clone())
+fn leader(db: &dyn Registry) -> Option<String> {
+    db.leader()
 }
 
 /// Wait until every slot is assigned, only to `nodes`, balanced within one.
-fn wait_balanced(db: &TestDb, cluster: &Cluster, nodes: &[&str], timeout: Duration) -> HashMap<u32, String> {
+fn wait_balanced(db: &dyn Registry, cluster: &Cluster, nodes: &[&str], timeout: Duration) -> HashMap<u32, String> {
     let start = Instant::now();
     loop {
         let o = owners(db);
@@ -234,7 +235,7 @@ fn no_overlap(r: &Report) {
 
 /// `weir status` (table and JSON) shows the nodes, the leader, every slot
 /// with its owner and epoch, and the broker's lag per slot.
-fn status_shows(topo: &Broker, db: &TestDb, owners: &HashMap<u32, String>) {
+fn status_shows(topo: &Broker, db: &dyn Registry, owners: &HashMap<u32, String>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("status.toml");
     std::fs::write(&path, config(topo, &db.url(), "status")).unwrap();
@@ -276,22 +277,30 @@ fn status_shows(topo: &Broker, db: &TestDb, owners: &HashMap<u32, String>) {
 
 #[test]
 fn scale_out_and_in_under_load() {
-    let db = TestDb::new();
-    let topo = Broker::rabbit();
+    scale_out_and_in(&Broker::rabbit(), &TestDb::new());
+}
+
+/// The same on NATS with `cluster.mode = "nats-kv"`: no database.
+#[test]
+fn scale_out_and_in_under_load_on_nats_kv() {
+    scale_out_and_in(&Broker::nats(), &KvBucket::new(LEASE));
+}
+
+fn scale_out_and_in(topo: &Broker, db: &dyn Registry) {
     let mut cluster = Cluster::default();
     let names = ["node-0", "node-1", "node-2"];
-    cluster.start(names[0], &config(&topo, &db.url(), names[0]));
-    wait_balanced(&db, &cluster, &names[..1], Duration::from_secs(20));
+    cluster.start(names[0], &config(topo, &db.url(), names[0]));
+    wait_balanced(db, &cluster, &names[..1], Duration::from_secs(20));
 
     let msgs: Vec<Envelope> = (0..1200).map(|i| slow(&format!("g{}", i % 40), 2)).collect();
-    let publisher = stream(&topo, msgs.clone(), Duration::from_secs(8));
-    cluster.start(names[1], &config(&topo, &db.url(), names[1]));
-    wait_balanced(&db, &cluster, &names[..2], Duration::from_secs(20));
-    cluster.start(names[2], &config(&topo, &db.url(), names[2]));
-    let balanced = wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
-    status_shows(&topo, &db, &balanced);
+    let publisher = stream(topo, msgs.clone(), Duration::from_secs(8));
+    cluster.start(names[1], &config(topo, &db.url(), names[1]));
+    wait_balanced(db, &cluster, &names[..2], Duration::from_secs(20));
+    cluster.start(names[2], &config(topo, &db.url(), names[2]));
+    let balanced = wait_balanced(db, &cluster, &names, Duration::from_secs(20));
+    status_shows(topo, db, &balanced);
     cluster.nodes[1].terminate(Duration::from_secs(30));
-    wait_balanced(&db, &cluster, &[names[0], names[2]], Duration::from_secs(20));
+    wait_balanced(db, &cluster, &[names[0], names[2]], Duration::from_secs(20));
     publisher.join().unwrap();
 
     let report = cluster.wait_handled(&ids(&msgs), Duration::from_secs(120));
@@ -311,7 +320,7 @@ fn scale_out_and_in_under_load() {
         cluster.nodes[i].terminate(Duration::from_secs(30));
     }
     // Leaving frees the slots: nothing is assigned to a stopped node.
-    assert!(owners(&db).is_empty(), "{:?}", owners(&db));
+    assert!(owners(db).is_empty(), "{:?}", owners(db));
 }
 
 #[test]
@@ -324,15 +333,24 @@ fn failover_on_nats() {
     failover(&Broker::nats());
 }
 
+/// `cluster.mode = "nats-kv"`: the lease runs out by the bucket's clock.
+#[test]
+fn failover_on_nats_kv() {
+    failover_with(&Broker::nats(), &KvBucket::new(LEASE));
+}
+
 fn failover(topo: &Broker) {
-    let db = TestDb::new();
+    failover_with(topo, &TestDb::new());
+}
+
+fn failover_with(topo: &Broker, db: &dyn Registry) {
     let mut cluster = Cluster::default();
     let names = ["node-0", "node-1", "node-2"];
     for n in names {
         cluster.start(n, &config(topo, &db.url(), n));
     }
-    let before = wait_balanced(&db, &cluster, &names, Duration::from_secs(20));
-    let lead = leader(&db).expect("a leader");
+    let before = wait_balanced(db, &cluster, &names, Duration::from_secs(20));
+    let lead = leader(db).expect("a leader");
     let follower = *names.iter().find(|n| **n != lead).unwrap();
 
     // Published faster than the cluster handles them (4 ms of CPU each on 2
@@ -343,7 +361,7 @@ fn failover(topo: &Broker) {
     let mut alive: Vec<&str> = names.to_vec();
     for victim in [follower, lead.as_str()] {
         wait_handled_by(&cluster, victim, 50);
-        let owned: HashSet<u32> = owners(&db)
+        let owned: HashSet<u32> = owners(db)
             .into_iter()
             .filter(|(_, n)| n == victim)
             .map(|(s, _)| s)
@@ -352,7 +370,7 @@ fn failover(topo: &Broker) {
         let killed_at = journal::monotonic_ns();
         cluster.nodes[i].kill();
         alive.retain(|n| *n != victim);
-        let after = wait_balanced(&db, &cluster, &alive, LEASE * 5);
+        let after = wait_balanced(db, &cluster, &alive, LEASE * 5);
         // Each of the victim's slots has exactly one owner, a survivor.
         for s in &owned {
             assert!(alive.contains(&after[s].as_str()), "slot {s} → {}", after[s]);
@@ -416,7 +434,10 @@ fn groups_on(slots: &[u32]) -> Vec<String> {
 /// of the same groups arrive; with the drain they can only start after
 /// node-0's calls ended. Returns the journals' report.
 fn handoff(topo: &Broker, no_drain: bool) -> Report {
-    let db = TestDb::new();
+    handoff_with(topo, no_drain, &TestDb::new())
+}
+
+fn handoff_with(topo: &Broker, no_drain: bool, db: &dyn Registry) -> Report {
     let mut cluster = Cluster::default();
     let mut env0 = vec![NO_SAC];
     if no_drain {
@@ -428,7 +449,7 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
         &config_with(topo, &db.url(), "node-0", "", Some(admin)),
         &env0,
     );
-    wait_balanced(&db, &cluster, &["node-0"], Duration::from_secs(20));
+    wait_balanced(db, &cluster, &["node-0"], Duration::from_secs(20));
     let groups = groups_on(&[3, 4, 5]);
     let first: Vec<Envelope> = groups.iter().map(|g| slow(g, 4000)).collect();
     publish_all(topo, &first);
@@ -437,7 +458,7 @@ fn handoff(topo: &Broker, no_drain: bool) -> Report {
         in_flight(admin) >= 2
     });
     cluster.start_with_env("node-1", &config(topo, &db.url(), "node-1"), &[NO_SAC]);
-    let moved = wait_balanced(&db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
+    let moved = wait_balanced(db, &cluster, &["node-0", "node-1"], Duration::from_secs(30));
     for s in [3, 4, 5] {
         assert_eq!(moved[&s], "node-1", "slot {s} moved to the new node: {moved:?}");
     }
@@ -483,6 +504,24 @@ fn live_handoff_waits_for_running_calls_on_nats() {
 fn handoff_without_drain_overlaps_on_nats() {
     assert!(
         !handoff(&Broker::nats(), true).overlaps.is_empty(),
+        "the ledger saw no overlap"
+    );
+}
+
+/// `cluster.mode = "nats-kv"`: the drain comes before the release in the
+/// bucket as in the database.
+#[test]
+fn live_handoff_waits_for_running_calls_on_nats_kv() {
+    no_overlap(&handoff_with(&Broker::nats(), false, &KvBucket::new(LEASE)));
+}
+
+/// The red baseline of the test above.
+#[test]
+fn handoff_without_drain_overlaps_on_nats_kv() {
+    assert!(
+        !handoff_with(&Broker::nats(), true, &KvBucket::new(LEASE))
+            .overlaps
+            .is_empty(),
         "the ledger saw no overlap"
     );
 }

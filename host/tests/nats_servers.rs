@@ -19,6 +19,12 @@
 //!   baseline. The same kill with `transport.replicas = 1`: the messages
 //!   stored on that server are out of reach until it comes back, so the
 //!   wait for them must time out; after the restart they are handled.
+//! - `nats_kv_rides_out_a_killed_and_restarted_server` and
+//!   `nats_kv_rides_out_a_stalled_server`: two `cluster.mode = "nats-kv"`
+//!   nodes, the bucket and the streams of 3 replicas, and the server that
+//!   leads the bucket and the work stream killed (then restarted) or
+//!   stalled: nothing lost, no overlap, balanced again afterwards, and the
+//!   slots freed when the nodes leave.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -28,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::{self, Cluster};
 use common::nats_servers::NatsServers;
+use common::registry::KvBucket;
 use weir::envelope::{self, Envelope};
 use weir::observe::journal::{Report, monotonic_ns};
 use weir::partition;
@@ -366,4 +373,102 @@ fn one_replica_is_unavailable_while_its_server_is_down() {
     for n in &mut nodes.nodes {
         n.terminate(Duration::from_secs(60));
     }
+}
+
+/// `cluster.mode = "nats-kv"` on the three servers: the lease, long enough
+/// to ride out a RAFT election of the bucket's stream (5–7 s on nats 2.9).
+const KV_LEASE: Duration = Duration::from_secs(10);
+
+/// A `nats-kv` node of `topology` on every server of `urls`, bucket and
+/// streams of 3 replicas.
+fn kv_node_config(topology: &str, node: &str, urls: &[String], bucket: &KvBucket) -> String {
+    use common::registry::Registry as _;
+    let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    let lines = format!(
+        "{}lease = \"{}s\"\n",
+        common::registry::cluster(&bucket.url()),
+        KV_LEASE.as_secs()
+    );
+    cluster::node_config(node, "nats", "URLS", 32, &lines, topology, SLOTS)
+        .replace("url = \"URLS\"", &format!("url = [{}]\nreplicas = 3", list.join(", ")))
+}
+
+/// Two `nats-kv` nodes, balanced, with the bucket's stream and the work
+/// stream led by n0 (which both nodes are connected to); then `fault` is
+/// done to n0 mid-stream. Every message published before and after is
+/// handled with no overlap, and the slots end balanced over both nodes
+/// again. Returns the ms from the fault to the first call of a message
+/// published after it, and the fences the nodes logged.
+fn kv_fault(fault: impl FnOnce(&mut NatsServers), undo: impl FnOnce(&mut NatsServers)) -> (u64, usize) {
+    use common::registry::Registry as _;
+    let mut servers = NatsServers::start(3);
+    let urls = servers.urls();
+    let topology = topology_name();
+    let bucket = KvBucket::on(urls.clone(), KV_LEASE);
+    let mut nodes = Cluster::default();
+    for n in ["node-0", "node-1"] {
+        nodes.start(n, &kv_node_config(&topology, n, &urls, &bucket));
+    }
+    // Polled from this thread: the bucket reader has a runtime of its own.
+    let balanced = |what: &str| {
+        let start = Instant::now();
+        while !common::pg::balanced(&bucket.slot_owners(), &["node-0", "node-1"], SLOTS) {
+            assert!(start.elapsed() < Duration::from_secs(60), "{what}: not within 60 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    balanced("balanced over both nodes");
+    move_leader(&urls, &format!("KV_{}", bucket.bucket), "n0");
+    move_leader(&urls, &names::stream(&topology), "n0");
+
+    let before = cluster::messages(30, 20, 10);
+    publish(&urls, &topology, &before);
+    wait_for("100 handled before the fault", Duration::from_secs(60), async || {
+        (handled_count(&nodes) >= 100).then_some(())
+    });
+    let at = monotonic_ns();
+    fault(&mut servers);
+    let after = cluster::messages(30, 5, 10);
+    publish(&urls[1..], &topology, &after);
+    let mut all = cluster::ids(&before);
+    all.extend(cluster::ids(&after));
+    let report = nodes.wait_handled(&all, Duration::from_secs(120));
+    assert!(report.overlaps.is_empty(), "{}", cluster::describe(&report));
+    let first_new = first_call_of(&report, &after);
+    undo(&mut servers);
+    balanced("balanced over both nodes after the fault");
+    let fences = nodes
+        .nodes
+        .iter()
+        .map(|n| n.log().matches("fenced: consuming nothing").count())
+        .sum();
+    for n in &mut nodes.nodes {
+        assert!(n.alive(), "{} died; log:\n{}", n.name, n.log());
+        n.terminate(Duration::from_secs(60));
+    }
+    assert!(
+        bucket.slot_owners().is_empty(),
+        "the nodes left and freed their slots: {:?}",
+        bucket.slot_owners()
+    );
+    ((first_new - at) / 1_000_000, fences)
+}
+
+/// The server that leads the bucket and the work stream is killed, and
+/// comes back later on its store.
+#[test]
+fn nats_kv_rides_out_a_killed_and_restarted_server() {
+    let (ms, fences) = kv_fault(|s| s.kill("n0"), |s| s.restart("n0"));
+    println!(
+        "nats-kv, server n0 (bucket and stream leader) killed: first call of a message published after the kill at +{ms} ms; {fences} fences (lease {KV_LEASE:?})"
+    );
+}
+
+/// The same server hangs instead (SIGSTOP), and is resumed later.
+#[test]
+fn nats_kv_rides_out_a_stalled_server() {
+    let (ms, fences) = kv_fault(|s| s.stall("n0"), |s| s.resume("n0"));
+    println!(
+        "nats-kv, server n0 (bucket and stream leader) stalled: first call of a message published after the stall at +{ms} ms; {fences} fences (lease {KV_LEASE:?})"
+    );
 }

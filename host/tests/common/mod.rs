@@ -12,6 +12,7 @@ pub mod nats;
 pub mod nats_servers;
 pub mod pg;
 pub mod rabbit;
+pub mod registry;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
