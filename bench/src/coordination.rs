@@ -1,11 +1,11 @@
 //! `weir-bench coordination`: the real coordinator code of `cluster.mode =
-//! "postgres"` ([`weir::cluster::postgres`]: `Member`, `run::run`, the
-//! leader pass, leases, handoff) for many nodes in one process, against a
-//! real PostgreSQL.
+//! "postgres"` ([`weir::cluster::leased`]: `Member`, `run::run`, the
+//! handoff, over [`weir::cluster::postgres::Tables`]: the leader pass,
+//! leases) for many nodes in one process, against a real PostgreSQL.
 //!
 //! Each simulated node is a thread with a runtime of its own (as a node's
 //! coordinator thread is), the coordinator's own pool
-//! ([`weir::cluster::postgres::run::node_pool`]) and a [`SlotSet`] whose
+//! ([`weir::cluster::postgres::node_pool`]) and a [`SlotSet`] whose
 //! runners do nothing but wait for their stop: what is measured is
 //! coordination, not the broker. Crashing a node drops its runtime: its
 //! renewals stop, its connections close, nothing of it runs.
@@ -44,7 +44,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection as _, Row as _};
 use tokio::sync::{oneshot, watch};
 
-use weir::cluster::postgres::{self as pg, Member, run::NODE_CONNECTIONS};
+use weir::cluster::leased::{Member, Mine, Store, run};
+use weir::cluster::postgres::{self as pg, NODE_CONNECTIONS, Tables};
 use weir::cluster::slots::{SlotKey, SlotSet, Supervisor};
 use weir::dispatch::{Pipeline, RunnerReport, TopologySettings};
 
@@ -133,7 +134,10 @@ struct Opts {
     steady: Duration,
     deadline: Duration,
     crash: bool,
+    /// `postgres` or `nats-kv`.
+    mode: String,
     database_url: String,
+    nats_url: String,
     json: Option<std::path::PathBuf>,
     verbose: bool,
     /// The database server's (postmaster's) pid, for its CPU time.
@@ -141,12 +145,14 @@ struct Opts {
 }
 
 fn usage() -> &'static str {
-    "usage: weir-bench coordination [--nodes N] [--slots S] [--churn C] [--lease-ms MS] [--steady-secs S] \
-     [--deadline-secs S] [--no-crash] [--database-url URL] [--server-pid PID] [--json PATH] [--verbose]\n\
+    "usage: weir-bench coordination [--mode postgres|nats-kv] [--nodes N] [--slots S] [--churn C] [--lease-ms MS] \
+     [--steady-secs S] [--deadline-secs S] [--no-crash] [--database-url URL] [--nats-url URL] [--server-pid PID] \
+     [--json PATH] [--verbose]\n\
      defaults: 100 nodes, 1024 slots, churn 10, lease 5000 ms (cluster.lease's default), 10 s of steady state, \
      120 s per phase; URL from WEIR_BENCH_DATABASE_URL or postgres://postgres@127.0.0.1:5432/postgres \
      (a database of its own is created there and dropped afterwards); --server-pid: the server's postmaster, \
-     whose CPU time (and its backends') the steady state reports"
+     whose CPU time (and its backends') the steady state reports; nats-kv: a bucket of its own on --nats-url \
+     (WEIR_BENCH_NATS_URL or nats://127.0.0.1:4222), deleted afterwards; --server-pid: the nats-server's pid"
 }
 
 fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
@@ -158,6 +164,8 @@ fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
         steady: Duration::from_secs(10),
         deadline: Duration::from_secs(120),
         crash: true,
+        mode: "postgres".into(),
+        nats_url: std::env::var("WEIR_BENCH_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
         database_url: std::env::var("WEIR_BENCH_DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
         json: None,
@@ -185,6 +193,8 @@ fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
             "--deadline-secs" => o.deadline = Duration::from_secs(num("--deadline-secs")?),
             "--no-crash" => o.crash = false,
             "--database-url" => o.database_url = value("--database-url")?,
+            "--mode" => o.mode = value("--mode")?,
+            "--nats-url" => o.nats_url = value("--nats-url")?,
             "--json" => o.json = Some(value("--json")?.into()),
             "--verbose" => o.verbose = true,
             "--server-pid" => o.server_pid = Some(u32::try_from(num("--server-pid")?)?),
@@ -194,6 +204,9 @@ fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
             }
             other => bail!("unknown argument {other:?}\n{}", usage()),
         }
+    }
+    if !["postgres", "nats-kv"].contains(&o.mode.as_str()) {
+        bail!("--mode {:?}: accepted: postgres, nats-kv\n{}", o.mode, usage());
     }
     if o.nodes == 0 || o.slots == 0 {
         bail!("--nodes and --slots must be at least 1\n{}", usage());
@@ -246,8 +259,7 @@ pub struct Counters {
 }
 
 /// A coordinator under test: how one node's coordinator runs, and how the
-/// bench reads the cluster. [`Postgres`] now; a `nats-kv` one (issue 20
-/// item 3) implements the same.
+/// bench reads the cluster: [`Postgres`] and [`NatsKv`].
 pub trait Backend: Send + Sync + 'static {
     /// `cluster.mode` of this backend.
     fn mode(&self) -> &'static str;
@@ -404,10 +416,11 @@ impl Backend for Postgres {
         slots: Arc<SlotSet>,
         stop: watch::Receiver<bool>,
     ) -> BoxFuture<'static, anyhow::Result<()>> {
-        let pool = pg::run::node_pool(self.node_options.clone());
+        let pool = pg::node_pool(self.node_options.clone());
         let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let member = Member::new(pool, &name, self.lease, self.drain_deadline, all, slots, ready);
-        Box::pin(pg::run::run(member, stop))
+        let store = Arc::new(Tables::new(pool, &name, self.lease, all));
+        let member = Member::new(store, &name, self.lease, self.drain_deadline, slots, ready);
+        Box::pin(run::run(member, stop))
     }
 
     async fn view(&self, slots: u32) -> anyhow::Result<View> {
@@ -510,6 +523,205 @@ impl Backend for Postgres {
             .await
             .with_context(|| format!("dropping database {}", self.database))?;
         conn.close().await.ok();
+        Ok(())
+    }
+}
+
+/// `cluster.mode = "nats-kv"` in a bucket of its own (one replica, on the
+/// server at `--nats-url`): the same coordinator loop over
+/// [`weir::cluster::nats_kv::Bucket`]. Each node has one NATS connection,
+/// made on its own runtime as a node's coordinator thread makes it.
+pub struct NatsKv {
+    urls: Vec<String>,
+    bucket: String,
+    /// The bench's own view of the bucket.
+    observer: async_nats::jetstream::kv::Store,
+    lease: Duration,
+    drain_deadline: Duration,
+    /// The nodes' store calls, by kind (counted in this process).
+    calls: Arc<CallCounts>,
+    /// NATS connections the nodes hold now.
+    connections: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Calls of the coordinator's store, by kind.
+#[derive(Default)]
+struct CallCounts(parking_lot::Mutex<BTreeMap<&'static str, u64>>);
+
+impl CallCounts {
+    fn count(&self, kind: &'static str) {
+        *self.0.lock().entry(kind).or_default() += 1;
+    }
+}
+
+/// A [`Store`] that counts its calls, by kind.
+struct Counted {
+    inner: Arc<dyn Store>,
+    calls: Arc<CallCounts>,
+}
+
+#[async_trait::async_trait]
+impl Store for Counted {
+    fn what(&self) -> &'static str {
+        self.inner.what()
+    }
+    async fn register(&self) -> anyhow::Result<uuid::Uuid> {
+        self.calls.count("register");
+        self.inner.register().await
+    }
+    async fn renew(&self, id: uuid::Uuid) -> anyhow::Result<bool> {
+        self.calls.count("renew lease");
+        self.inner.renew(id).await
+    }
+    async fn mark_leaving(&self, id: uuid::Uuid) -> anyhow::Result<()> {
+        self.calls.count("mark leaving");
+        self.inner.mark_leaving(id).await
+    }
+    async fn leave(&self, id: uuid::Uuid) -> anyhow::Result<()> {
+        self.calls.count("leave");
+        self.inner.leave(id).await
+    }
+    async fn try_lead(&self, id: uuid::Uuid) -> anyhow::Result<bool> {
+        self.calls.count("try lead");
+        self.inner.try_lead(id).await
+    }
+    async fn lead(&self, id: uuid::Uuid) -> anyhow::Result<()> {
+        self.calls.count("leader pass");
+        self.inner.lead(id).await
+    }
+    async fn mine(&self, id: uuid::Uuid) -> anyhow::Result<Mine> {
+        self.calls.count("read own slots");
+        self.inner.mine(id).await
+    }
+    async fn release(&self, id: uuid::Uuid, key: &SlotKey, epoch: i64) -> anyhow::Result<bool> {
+        self.calls.count("release slot");
+        self.inner.release(id, key, epoch).await
+    }
+    async fn changes(&self) -> anyhow::Result<futures::stream::BoxStream<'static, ()>> {
+        self.calls.count("follow changes");
+        self.inner.changes().await
+    }
+}
+
+/// Holds one count of [`NatsKv::connections`] while it lives.
+struct Held(Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl NatsKv {
+    /// A fresh bucket on the server at `url`.
+    pub async fn create(url: &str, lease: Duration) -> anyhow::Result<Self> {
+        let urls = vec![url.to_owned()];
+        let bucket = format!(
+            "weir-scale-{}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        let observer = weir::cluster::nats_kv::NatsKv::open(&urls, "weir-bench observer", &bucket, 1)
+            .await
+            .with_context(|| format!("creating bucket {bucket} on {url}"))?;
+        Ok(Self {
+            urls,
+            bucket,
+            observer,
+            lease,
+            drain_deadline: weir::config::defaults::drain_deadline(lease),
+            calls: Arc::default(),
+            connections: Arc::default(),
+        })
+    }
+}
+
+impl Backend for NatsKv {
+    fn mode(&self) -> &'static str {
+        "nats-kv"
+    }
+
+    fn connections_per_node(&self) -> u32 {
+        1
+    }
+
+    fn node(
+        &self,
+        name: String,
+        all: Vec<SlotKey>,
+        slots: Arc<SlotSet>,
+        stop: watch::Receiver<bool>,
+    ) -> BoxFuture<'static, anyhow::Result<()>> {
+        let (urls, bucket, lease, drain_deadline) =
+            (self.urls.clone(), self.bucket.clone(), self.lease, self.drain_deadline);
+        let (calls, connections) = (self.calls.clone(), self.connections.clone());
+        Box::pin(async move {
+            let kv = weir::cluster::nats_kv::NatsKv::open(&urls, &format!("weir-bench {name}"), &bucket, 1).await?;
+            connections.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let _held = Held(connections);
+            let store = Arc::new(Counted {
+                inner: Arc::new(weir::cluster::nats_kv::Bucket::new(kv, &name, lease, all)),
+                calls,
+            });
+            let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let member = Member::new(store, &name, lease, drain_deadline, slots, ready);
+            run::run(member, stop).await
+        })
+    }
+
+    async fn view(&self, slots: u32) -> anyhow::Result<View> {
+        let st = weir::cluster::nats_kv::status(&self.observer, self.lease).await?;
+        let mut v = View {
+            owners: vec![None; slots as usize],
+            ..View::default()
+        };
+        let registered: BTreeSet<&str> = st.nodes.iter().map(|n| n.name.as_str()).collect();
+        for s in st.slots.iter().filter(|s| s.topology == TOPOLOGY) {
+            if let Some(o) = v.owners.get_mut(s.slot as usize) {
+                // `status` names owners that are registered; an owner no
+                // longer registered has no name, and counts as nobody live.
+                *o = s.owner.clone().filter(|n| registered.contains(n.as_str()));
+                if o.is_none() && s.state != "free" {
+                    *o = Some("<unregistered>".to_owned());
+                }
+            }
+            v.releasing += usize::from(s.state == "releasing");
+            v.epochs += s.epoch;
+        }
+        let raw = weir::cluster::nats_kv::cache::snapshot(&self.observer, Duration::from_secs(5)).await?;
+        for n in &st.nodes {
+            let leaving = raw
+                .entries
+                .get(&weir::cluster::nats_kv::node_key(n.id))
+                .and_then(|e| serde_json::from_slice::<weir::cluster::nats_kv::NodeValue>(&e.value).ok())
+                .is_some_and(|n| n.leaving);
+            v.nodes.insert(n.name.clone(), (n.lease_left_s > 0.0, leaving));
+        }
+        v.leader = st.nodes.iter().find(|n| n.leader).map(|n| n.name.clone());
+        v.connections = self.connections.load(std::sync::atomic::Ordering::Relaxed);
+        Ok(v)
+    }
+
+    async fn counters(&self) -> anyhow::Result<Counters> {
+        let mut c = Counters::default();
+        // Every write to the bucket is a message of its stream: the
+        // stream's last sequence counts them, on the server.
+        let mut stream = self.observer.stream.clone();
+        let info = stream.info().await?;
+        c.statements = Some(info.state.last_sequence);
+        c.transactions = info.state.last_sequence;
+        let calls = self.calls.0.lock().clone();
+        c.renewals = calls.get("renew lease").copied().unwrap_or(0);
+        c.by_kind = calls.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        Ok(c)
+    }
+
+    async fn cleanup(&self) -> anyhow::Result<()> {
+        let client = weir::transport::nats::connect(&self.urls, "weir-bench cleanup").await?;
+        async_nats::jetstream::new(client)
+            .delete_key_value(&self.bucket)
+            .await
+            .with_context(|| format!("deleting bucket {}", self.bucket))?;
         Ok(())
     }
 }
@@ -1053,7 +1265,16 @@ pub fn main(args: impl Iterator<Item = String>) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async {
+    let r = rt.block_on(async {
+        if o.mode == "nats-kv" {
+            let backend = Arc::new(NatsKv::create(&o.nats_url, o.lease).await?);
+            eprintln!("[coordination] bucket {} on {}", backend.bucket, o.nats_url);
+            let ran = bench(&o, backend.clone(), tally).await;
+            let cleaned = backend.cleanup().await;
+            let r = ran?;
+            cleaned?;
+            return anyhow::Ok(r);
+        }
         let backend = Arc::new(Postgres::create(&o.database_url, o.lease).await?);
         eprintln!(
             "[coordination] database {} (pg_stat_statements: {})",
@@ -1075,13 +1296,13 @@ pub fn main(args: impl Iterator<Item = String>) -> anyhow::Result<()> {
         let cleaned = backend.cleanup().await;
         let r = ran?;
         cleaned?;
-        print(&r);
-        if let Some(path) = &o.json {
-            std::fs::write(path, serde_json::to_vec_pretty(&r)?)
-                .with_context(|| format!("writing {}", path.display()))?;
-        }
-        Ok(())
-    })
+        Ok(r)
+    })?;
+    print(&r);
+    if let Some(path) = &o.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&r)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
