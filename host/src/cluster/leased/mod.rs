@@ -89,6 +89,20 @@ pub fn step_timeout(lease: Duration) -> Duration {
     (fence_margin(lease) / 2).max(TICK)
 }
 
+/// A store step that cannot be answered yet because the store is still
+/// reading what it holds (a watch catching up): the loop tries again at its
+/// next turn, without a warning.
+#[derive(Debug)]
+pub struct NotReady(pub String);
+
+impl std::fmt::Display for NotReady {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NotReady {}
+
 /// This node's slots as the store has them: key → (epoch, releasing).
 pub type Mine = HashMap<SlotKey, (i64, bool)>;
 

@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use super::handoff::{fence, fence_all};
 use super::renewals::Renewals;
-use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, Store, TICK, Tick, bounded, step};
+use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, NotReady, Store, TICK, Tick, bounded, step};
 use crate::cluster::coordinator::Start;
 
 /// Nice value of the coordinator thread: above every other thread of the
@@ -288,14 +288,14 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
                     }
                     st.leader = lead;
                     if lead && let Err(e) = step(&c, fence_at, c.store.lead(st.node_id)).await {
-                        tracing::warn!(error = %format!("{e:#}"), "leader pass failed");
+                        warn_unless_not_ready(&e, "leader pass failed");
                     }
                 }
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "leader lease check failed"),
+                Err(e) => warn_unless_not_ready(&e, "leader lease check failed"),
             }
         }
         if let Err(e) = step(&c, fence_at, c.reconcile(&mut st, leaving.is_some())).await {
-            tracing::warn!(error = %format!("{e:#}"), "reconciling this node's slots failed");
+            warn_unless_not_ready(&e, "reconciling this node's slots failed");
         }
     }
     // Every slot is drained (or fenced): give up what is left and the
@@ -346,6 +346,16 @@ async fn until_done<T, F: std::future::Future<Output = anyhow::Result<T>>>(
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
             _ = stop.changed() => {}
         }
+    }
+}
+
+/// A step that failed: a warning, unless the store is still reading what
+/// it holds ([`NotReady`]: expected at start, said at debug level).
+fn warn_unless_not_ready(e: &anyhow::Error, what: &str) {
+    if e.downcast_ref::<NotReady>().is_some() {
+        tracing::debug!(error = %format!("{e:#}"), "{what}");
+    } else {
+        tracing::warn!(error = %format!("{e:#}"), "{what}");
     }
 }
 

@@ -5,7 +5,7 @@
 //! read here, so a stale read costs a failed write and a later pass, never
 //! a wrong one.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +14,10 @@ use bytes::Bytes;
 use futures::StreamExt as _;
 use parking_lot::Mutex;
 use tokio::sync::watch;
+use uuid::Uuid;
+
+use super::keys::{NodeValue, SlotValue, decode, parse_slot_key};
+use crate::cluster::slots::SlotKey;
 
 /// One key's newest entry.
 #[derive(Debug, Clone)]
@@ -24,10 +28,32 @@ pub struct Entry {
     pub created: i128,
 }
 
-/// What the watch has delivered.
+/// A registered node, as its key holds it.
+#[derive(Debug, Clone)]
+pub struct NodeEntry {
+    pub value: NodeValue,
+    pub revision: u64,
+    pub created: i128,
+}
+
+/// A slot, as its key holds it.
+#[derive(Debug, Clone)]
+pub struct SlotEntry {
+    pub value: SlotValue,
+    pub revision: u64,
+}
+
+/// What the watch has delivered: every key's newest entry, and the nodes
+/// and slots decoded once, when they change (a loop turn reads them
+/// without decoding or copying the bucket: at 100 nodes × 1 024 slots it
+/// did, and the coordinators' CPU starved their own renewals).
 #[derive(Debug, Clone, Default)]
 pub struct View {
     pub entries: HashMap<String, Entry>,
+    pub nodes: BTreeMap<Uuid, NodeEntry>,
+    pub slots: BTreeMap<SlotKey, SlotEntry>,
+    /// The slots each node owns.
+    pub owned: HashMap<Uuid, BTreeSet<SlotKey>>,
     /// Every key's newest entry as of the watch's start has arrived.
     pub current: bool,
     /// The newest `created` seen: the server's clock, a little behind.
@@ -37,8 +63,20 @@ pub struct View {
 impl View {
     /// The age of `e` on the server's clock (never negative).
     pub fn age(&self, e: &Entry) -> Duration {
-        let ns = (self.now - e.created).max(0);
+        self.age_of(e.created)
+    }
+
+    /// The age of an entry stored at `created` on the server's clock.
+    pub fn age_of(&self, created: i128) -> Duration {
+        let ns = (self.now - created).max(0);
         Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+    }
+
+    /// Is `id` registered, its lease not run out, and not leaving?
+    pub fn live(&self, id: Uuid, lease: Duration) -> bool {
+        self.nodes
+            .get(&id)
+            .is_some_and(|n| self.age_of(n.created) <= lease && !n.value.leaving)
     }
 
     fn apply(&mut self, e: kv::Entry) -> bool {
@@ -51,13 +89,77 @@ impl View {
                     revision: e.revision,
                     created,
                 };
-                match self.entries.insert(e.key, entry.clone()) {
-                    // A renewal rewrites the same bytes: no one needs waking.
-                    Some(old) => old.value != entry.value,
-                    None => true,
-                }
+                let changed = self.entries.get(&e.key).is_none_or(|old| old.value != entry.value);
+                self.parse(&e.key, &entry, changed);
+                self.entries.insert(e.key, entry);
+                // A renewal rewrites the same bytes: no one needs waking.
+                changed
             }
-            kv::Operation::Delete | kv::Operation::Purge => self.entries.remove(&e.key).is_some(),
+            kv::Operation::Delete | kv::Operation::Purge => {
+                self.forget_parsed(&e.key);
+                self.entries.remove(&e.key).is_some()
+            }
+        }
+    }
+
+    /// Keep the decoded nodes and slots in step with `key`'s new entry
+    /// (decoded only when its bytes `changed`).
+    fn parse(&mut self, key: &str, e: &Entry, changed: bool) {
+        if let Some(id) = key.strip_prefix("node.").and_then(|i| i.parse::<Uuid>().ok()) {
+            match self.nodes.get_mut(&id) {
+                Some(n) if !changed => {
+                    n.revision = e.revision;
+                    n.created = e.created;
+                }
+                _ => match decode::<NodeValue>(&e.value) {
+                    Some(value) => {
+                        self.nodes.insert(
+                            id,
+                            NodeEntry {
+                                value,
+                                revision: e.revision,
+                                created: e.created,
+                            },
+                        );
+                    }
+                    None => {
+                        self.nodes.remove(&id);
+                    }
+                },
+            }
+        } else if let Some(slot) = parse_slot_key(key) {
+            if !changed && let Some(s) = self.slots.get_mut(&slot) {
+                s.revision = e.revision;
+                return;
+            }
+            self.forget_parsed(key);
+            if let Some(value) = decode::<SlotValue>(&e.value) {
+                if let Some(o) = value.owner {
+                    self.owned.entry(o).or_default().insert(slot.clone());
+                }
+                self.slots.insert(
+                    slot,
+                    SlotEntry {
+                        value,
+                        revision: e.revision,
+                    },
+                );
+            }
+        }
+    }
+
+    fn forget_parsed(&mut self, key: &str) {
+        if let Some(id) = key.strip_prefix("node.").and_then(|i| i.parse::<Uuid>().ok()) {
+            self.nodes.remove(&id);
+        } else if let Some(slot) = parse_slot_key(key)
+            && let Some(old) = self.slots.remove(&slot)
+            && let Some(o) = old.value.owner
+            && let Some(set) = self.owned.get_mut(&o)
+        {
+            set.remove(&slot);
+            if set.is_empty() {
+                self.owned.remove(&o);
+            }
         }
     }
 }
@@ -97,7 +199,9 @@ impl Cache {
     /// Drop `key` from the view, as a watch catching up can lack it (tests).
     #[cfg(test)]
     pub(crate) fn forget(&self, key: &str) {
-        self.view.lock().entries.remove(key);
+        let mut v = self.view.lock();
+        v.forget_parsed(key);
+        v.entries.remove(key);
     }
 
     /// Ticks at every change that matters (not at a renewal).

@@ -11,14 +11,15 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
+use futures::StreamExt as _;
 use uuid::Uuid;
 
-use super::{
-    Bucket, LEADER_KEY, LeaderValue, Leadership, NodeValue, SlotValue, decode, encode, nodes, slot_key, slots,
-};
+use super::cache::View;
+use super::{Bucket, LEADER_KEY, LeaderValue, Leadership, SlotValue, decode, encode, node_key, slot_key};
 use crate::cluster::assign;
 use crate::cluster::leased::renewals::interval;
 use crate::cluster::leased::{REASSIGN_MARGIN, fence_margin};
+use crate::cluster::slots::SlotKey;
 
 impl Bucket {
     /// The instant this node must stop leading (none: it does not lead).
@@ -38,9 +39,13 @@ impl Bucket {
     /// Take or keep the leader key.
     pub(super) async fn try_lead(&self, id: Uuid) -> anyhow::Result<bool> {
         let b = self;
-        let v = b.current()?;
+        // The leader entry and its age, read without copying the view.
+        let (entry, age) = b.read(|v| {
+            let e = v.entries.get(LEADER_KEY).cloned();
+            let age = e.as_ref().map(|e| v.age(e));
+            (e, age)
+        })?;
         let held = *b.leader.lock();
-        let entry = v.entries.get(LEADER_KEY).cloned();
         let sent = Instant::now();
         let (revision, term) = match (held.filter(|l| l.id == id), entry) {
             // Ours: rewritten every renewal interval, at our own revision.
@@ -75,7 +80,7 @@ impl Bucket {
                 // Another node's, or ours from a write whose fate was unknown:
                 // taken only once it ran out by the server's clock.
                 let other = decode::<LeaderValue>(&e.value);
-                if v.age(&e) <= b.lease + REASSIGN_MARGIN {
+                if age.is_none_or(|a| a <= b.lease + REASSIGN_MARGIN) {
                     return Ok(false);
                 }
                 let term = other.map_or(0, |o| o.term) + 1;
@@ -100,103 +105,175 @@ impl Bucket {
 
     /// One leader pass over the cached view; every write is at the revision
     /// read, and none goes out once the leader lease's own deadline passed.
+    /// What to write is worked out under the view's lock, without copying
+    /// it; the writes go out after.
     pub(super) async fn lead(&self, id: Uuid) -> anyhow::Result<()> {
         let b = self;
         if !b.leads(id) {
             return Ok(());
         }
-        let v = b.current()?;
         let may_write = || b.leads(id);
-        // Every slot of the config has its key.
-        for key in &b.all_slots {
-            let k = slot_key(key);
-            if !v.entries.contains_key(&k) && may_write() {
-                let _ = b.kv.create(&k, encode(&SlotValue::free(0))).await;
-            }
-        }
-        let all = nodes(&v);
-        // Expired by more than the margin: removed, at the revision read (a
-        // node that renewed meanwhile stays).
-        let mut removed = HashSet::new();
-        for (node, _, age, revision) in &all {
-            if *age > b.lease + REASSIGN_MARGIN && may_write() {
-                match b
-                    .kv
-                    .delete_expect_revision(super::node_key(*node), Some(*revision))
-                    .await
-                {
-                    Ok(()) => {
-                        removed.insert(*node);
-                    }
-                    Err(e) => tracing::debug!(node = %node, error = %e, "an expired node changed before its removal"),
+        // Every slot of the config has its key; nodes expired by more than
+        // the margin are removed, at the revision read (a node that renewed
+        // meanwhile stays).
+        let (missing, expired) = b.read(|v| {
+            let missing: Vec<SlotKey> = b
+                .all_slots
+                .iter()
+                .filter(|k| !v.slots.contains_key(*k))
+                .cloned()
+                .collect();
+            let expired: Vec<(Uuid, u64)> = v
+                .nodes
+                .iter()
+                .filter(|(_, n)| v.age_of(n.created) > b.lease + REASSIGN_MARGIN)
+                .map(|(id, n)| (*id, n.revision))
+                .collect();
+            (missing, expired)
+        })?;
+        // Writes go out WRITES_IN_FLIGHT at a time: one at a time, the
+        // 1 024 creates and assignments of a first pass took longer than a
+        // step may (measured: docs/SCALE.md).
+        futures::stream::iter(missing)
+            .for_each_concurrent(WRITES_IN_FLIGHT, |key| async move {
+                if may_write() {
+                    let _ = b.kv.create(slot_key(&key), encode(&SlotValue::free(0))).await;
                 }
-            }
-        }
+            })
+            .await;
+        let removed: HashSet<Uuid> = futures::stream::iter(expired)
+            .map(|(node, revision)| async move {
+                if !may_write() {
+                    return None;
+                }
+                match b.kv.delete_expect_revision(node_key(node), Some(revision)).await {
+                    Ok(()) => Some(node),
+                    Err(e) => {
+                        tracing::debug!(node = %node, error = %e, "an expired node changed before its removal");
+                        None
+                    }
+                }
+            })
+            .buffer_unordered(WRITES_IN_FLIGHT)
+            .filter_map(std::future::ready)
+            .collect()
+            .await;
         if !removed.is_empty() {
             tracing::warn!(nodes = ?removed, "leader: nodes whose lease expired were removed; their slots are free");
         }
-        let registered: HashSet<Uuid> = all.iter().map(|n| n.0).filter(|n| !removed.contains(n)).collect();
-        let live: Vec<Uuid> = all
-            .iter()
-            .filter(|(n, value, age, _)| *age <= b.lease && !leaving(value) && registered.contains(n))
-            .map(|n| n.0)
-            .collect();
-        let live_set: HashSet<Uuid> = live.iter().copied().collect();
-        // Registered, lease run out (not yet by the margin): may be fencing.
-        let expiring: HashSet<Uuid> = all
-            .iter()
-            .filter(|(n, _, age, _)| *age > b.lease && registered.contains(n))
-            .map(|n| n.0)
-            .collect();
-        let rows = slots(&v);
-        let current: Vec<Option<Uuid>> = rows
-            .iter()
-            .map(|r| r.1.owner.filter(|o| live_set.contains(o)))
-            .collect();
-        let desired = assign::assign(&live, &current);
-        for ((key, row, revision), want) in rows.iter().zip(desired) {
-            let pinned = row.owner.is_some_and(|o| expiring.contains(&o));
-            if pinned || row.owner == want {
-                continue;
-            }
-            let next = if let Some(gone) = row.owner.filter(|o| !registered.contains(o)) {
-                // Its owner left (after draining) or was removed (after
-                // fencing): nothing of it runs. Unless the view merely lacks
-                // its key (a watch catching up): asked of the server first.
-                if !may_write() || still_registered(b, gone).await {
-                    continue;
+        let plan = b.read(|v| plan(v, b.lease, &removed))?;
+        futures::stream::iter(plan)
+            .for_each_concurrent(WRITES_IN_FLIGHT, |step| async move {
+                if may_write() {
+                    apply(b, step, may_write).await;
                 }
-                tracing::warn!(topology = %key.0, slot = key.1, gone = %gone, owner = ?want, "leader: the slot's owner is no longer registered; slot reassigned");
-                match want {
-                    Some(n) => assigned(n, row.epoch + 1),
-                    None => SlotValue::free(row.epoch),
-                }
-            } else {
-                match (row.owner, want) {
-                    (None, Some(n)) => {
-                        tracing::info!(topology = %key.0, slot = key.1, owner = %n, "leader: slot assigned");
-                        assigned(n, row.epoch + 1)
-                    }
-                    (Some(_), Some(n)) if row.state == "assigned" || row.target != Some(n) => {
-                        tracing::info!(topology = %key.0, slot = key.1, from = ?row.owner, to = %n, "leader: asked the owner to release the slot");
-                        SlotValue {
-                            state: "releasing".into(),
-                            target: Some(n),
-                            ..row.clone()
-                        }
-                    }
-                    _ => continue,
-                }
-            };
-            if !may_write() {
-                break;
-            }
-            if let Err(e) = b.kv.update(slot_key(key), encode(&next), *revision).await {
-                tracing::debug!(topology = %key.0, slot = key.1, error = %e, "leader: the slot changed since it was read; next pass");
-            }
-        }
+            })
+            .await;
         Ok(())
     }
+}
+
+/// Write one step of a pass (unless the leader lease's deadline passed).
+async fn apply(b: &Bucket, step: Step, may_write: impl Fn() -> bool) {
+    let (key, row, revision) = (&step.key, &step.row, step.revision);
+    let next = match step.change {
+        Change::Reassign { gone, to } => {
+            // Its owner left (after draining) or was removed (after
+            // fencing): nothing of it runs. Unless the view merely lacks
+            // its key (a watch catching up): asked of the server first.
+            if still_registered(b, gone).await {
+                return;
+            }
+            tracing::warn!(topology = %key.0, slot = key.1, gone = %gone, owner = ?to, "leader: the slot's owner is no longer registered; slot reassigned");
+            match to {
+                Some(n) => assigned(n, row.epoch + 1),
+                None => SlotValue::free(row.epoch),
+            }
+        }
+        Change::Assign(n) => {
+            tracing::info!(topology = %key.0, slot = key.1, owner = %n, "leader: slot assigned");
+            assigned(n, row.epoch + 1)
+        }
+        Change::Release(n) => {
+            tracing::info!(topology = %key.0, slot = key.1, from = ?row.owner, to = %n, "leader: asked the owner to release the slot");
+            SlotValue {
+                state: "releasing".into(),
+                target: Some(n),
+                ..row.clone()
+            }
+        }
+    };
+    if !may_write() {
+        return;
+    }
+    if let Err(e) = b.kv.update(slot_key(key), encode(&next), revision).await {
+        tracing::debug!(topology = %key.0, slot = key.1, error = %e, "leader: the slot changed since it was read; next pass");
+    }
+}
+
+/// Writes of a pass in flight at once.
+const WRITES_IN_FLIGHT: usize = 32;
+
+/// What a pass does to one slot.
+enum Change {
+    /// Its owner is not registered: to another (or free).
+    Reassign { gone: Uuid, to: Option<Uuid> },
+    /// A free slot to a node.
+    Assign(Uuid),
+    /// Its owner is asked to release it to a node.
+    Release(Uuid),
+}
+
+struct Step {
+    key: SlotKey,
+    row: SlotValue,
+    revision: u64,
+    change: Change,
+}
+
+/// The changes a pass makes, from the view (nodes in `removed` were just
+/// deleted): the balanced assignment ([`assign::assign`]) over the live
+/// nodes, leaving alone a slot whose owner's lease ran out by less than the
+/// margin (it may be fencing itself).
+fn plan(v: &View, lease: std::time::Duration, removed: &HashSet<Uuid>) -> Vec<Step> {
+    let registered = |n: &Uuid| v.nodes.contains_key(n) && !removed.contains(n);
+    let live: Vec<Uuid> = v
+        .nodes
+        .iter()
+        .filter(|(id, n)| registered(id) && v.age_of(n.created) <= lease && !n.value.leaving)
+        .map(|(id, _)| *id)
+        .collect();
+    let live_set: HashSet<Uuid> = live.iter().copied().collect();
+    let expiring = |n: &Uuid| registered(n) && v.nodes.get(n).is_some_and(|e| v.age_of(e.created) > lease);
+    let current: Vec<Option<Uuid>> = v
+        .slots
+        .values()
+        .map(|s| s.value.owner.filter(|o| live_set.contains(o)))
+        .collect();
+    let desired = assign::assign(&live, &current);
+    let mut out = Vec::new();
+    for ((key, s), want) in v.slots.iter().zip(desired) {
+        let row = &s.value;
+        if row.owner.is_some_and(|o| expiring(&o)) || row.owner == want {
+            continue;
+        }
+        let change = if let Some(gone) = row.owner.filter(|o| !registered(o)) {
+            Change::Reassign { gone, to: want }
+        } else {
+            match (row.owner, want) {
+                (None, Some(n)) => Change::Assign(n),
+                (Some(_), Some(n)) if row.state == "assigned" || row.target != Some(n) => Change::Release(n),
+                _ => continue,
+            }
+        };
+        out.push(Step {
+            key: key.clone(),
+            row: row.clone(),
+            revision: s.revision,
+            change,
+        });
+    }
+    out
 }
 
 /// Does the server still hold `node`'s registration? (An error counts as
@@ -205,15 +282,11 @@ async fn still_registered(b: &Bucket, node: Uuid) -> bool {
     if b.trust_absence.load(std::sync::atomic::Ordering::Relaxed) {
         return false;
     }
-    match b.kv.entry(super::node_key(node)).await {
+    match b.kv.entry(node_key(node)).await {
         Ok(Some(e)) => e.operation == async_nats::jetstream::kv::Operation::Put,
         Ok(None) => false,
         Err(_) => true,
     }
-}
-
-fn leaving(n: &NodeValue) -> bool {
-    n.leaving
 }
 
 fn assigned(owner: Uuid, epoch: i64) -> SlotValue {

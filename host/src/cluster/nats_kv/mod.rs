@@ -30,6 +30,7 @@
 //!   node's registration changes (not at each renewal).
 
 pub mod cache;
+pub mod keys;
 mod leader;
 
 use std::sync::Arc;
@@ -38,19 +39,21 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv};
 use async_trait::async_trait;
-use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use self::cache::{Cache, View};
+#[cfg(test)]
+use self::keys::parse_slot_key;
+pub use self::keys::{LEADER_KEY, LeaderValue, NodeValue, SlotValue, node_key, slot_key};
+use self::keys::{decode, encode};
 use super::coordinator::{Coordinator, Start};
 #[cfg(test)]
 use super::leased::REASSIGN_MARGIN;
-use super::leased::{Mine, Store, run};
+use super::leased::{Mine, NotReady, Store, run};
 use super::slots::SlotKey;
 use super::status::{NodeStatus, SlotStatus, Status};
 use crate::config::Config;
@@ -61,95 +64,6 @@ const RELEASE_TRIES: usize = 3;
 
 /// How long `weir status` waits for the bucket.
 const STATUS_LIMIT: Duration = Duration::from_secs(5);
-
-/// `node.<id>`.
-pub fn node_key(id: Uuid) -> String {
-    format!("node.{id}")
-}
-
-/// `slot.<topology>.<n>` (topology names are `[a-z0-9_-]+`, valid in keys).
-pub fn slot_key(key: &SlotKey) -> String {
-    format!("slot.{}.{}", key.0, key.1)
-}
-
-fn parse_slot_key(k: &str) -> Option<SlotKey> {
-    let rest = k.strip_prefix("slot.")?;
-    let (t, n) = rest.rsplit_once('.')?;
-    Some((t.to_owned(), n.parse().ok()?))
-}
-
-/// `leader`.
-pub const LEADER_KEY: &str = "leader";
-
-/// The value of `node.<id>`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NodeValue {
-    pub name: String,
-    #[serde(default)]
-    pub leaving: bool,
-}
-
-/// The value of `leader`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LeaderValue {
-    pub node: Uuid,
-    pub term: u64,
-}
-
-/// The value of `slot.<topology>.<n>`.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct SlotValue {
-    pub owner: Option<Uuid>,
-    pub epoch: i64,
-    /// `free`, `assigned` or `releasing`.
-    pub state: String,
-    pub target: Option<Uuid>,
-}
-
-impl SlotValue {
-    fn free(epoch: i64) -> Self {
-        Self {
-            owner: None,
-            epoch,
-            state: "free".into(),
-            target: None,
-        }
-    }
-}
-
-fn encode<T: Serialize>(v: &T) -> Bytes {
-    // Plain structs of strings and numbers: serializing cannot fail.
-    Bytes::from(serde_json::to_vec(v).unwrap_or_default())
-}
-
-fn decode<'a, T: Deserialize<'a>>(b: &'a [u8]) -> Option<T> {
-    serde_json::from_slice(b).ok()
-}
-
-/// The nodes of a view: id → (value, entry age, revision).
-fn nodes(v: &View) -> Vec<(Uuid, NodeValue, Duration, u64)> {
-    let mut out: Vec<_> = v
-        .entries
-        .iter()
-        .filter_map(|(k, e)| {
-            let id = k.strip_prefix("node.")?.parse().ok()?;
-            Some((id, decode::<NodeValue>(&e.value)?, v.age(e), e.revision))
-        })
-        .collect();
-    out.sort_by_key(|n| n.0);
-    out
-}
-
-/// The slots of a view, in (topology, slot) order, with their revisions.
-fn slots(v: &View) -> Vec<(SlotKey, SlotValue, u64)> {
-    let mut out: Vec<_> = v
-        .entries
-        .iter()
-        .filter_map(|(k, e)| Some((parse_slot_key(k)?, decode::<SlotValue>(&e.value)?, e.revision)))
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
 
 /// Open the bucket, creating it with `replicas` replicas when it is not there.
 pub async fn open_bucket(js: &jetstream::Context, bucket: &str, replicas: usize) -> anyhow::Result<kv::Store> {
@@ -222,6 +136,8 @@ pub struct Bucket {
     lease: Duration,
     all_slots: Vec<SlotKey>,
     me: Mutex<Option<Registration>>,
+    /// The id of a registration under way (kept across its tries).
+    registering: Mutex<Option<Uuid>>,
     /// Renewals and the leaving mark write `node.<id>` one at a time (each
     /// at the revision of the one before).
     writing: tokio::sync::Mutex<()>,
@@ -242,17 +158,21 @@ impl Bucket {
             lease,
             all_slots,
             me: Mutex::new(None),
+            registering: Mutex::new(None),
             writing: tokio::sync::Mutex::new(()),
             leader: Mutex::new(None),
             trust_absence: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// The cached view, once it is current.
-    fn current(&self) -> anyhow::Result<View> {
-        let v = self.cache.view();
-        anyhow::ensure!(v.current, "the coordination bucket `{}` is not read yet", self.kv.name);
-        Ok(v)
+    /// `f` of the cached view, once it is current.
+    fn read<T>(&self, f: impl FnOnce(&View) -> T) -> anyhow::Result<T> {
+        self.cache.with(|v| v.current.then(|| f(v))).ok_or_else(|| {
+            anyhow::Error::new(NotReady(format!(
+                "the coordination bucket `{}` is not read yet",
+                self.kv.name
+            )))
+        })
     }
 
     /// Rewrite `node.<id>` at the registration's revision: as it is
@@ -317,7 +237,7 @@ impl Bucket {
         let Some(slot) = decode::<SlotValue>(&e.value).filter(|s| s.owner == Some(id) && s.epoch == epoch) else {
             return Ok(Some(false));
         };
-        let live_target = slot.target.filter(|t| self.cache.with(|v| self.live(v, *t)));
+        let live_target = slot.target.filter(|t| self.cache.with(|v| v.live(*t, self.lease)));
         let next = match live_target {
             Some(t) => SlotValue {
                 owner: Some(t),
@@ -333,13 +253,6 @@ impl Bucket {
             Err(err) => Err(anyhow::Error::new(err).context(format!("releasing slot {} of `{}`", key.1, key.0))),
         }
     }
-
-    /// Is `id` live in `v` (registered, lease not run out, not leaving)?
-    fn live(&self, v: &View, id: Uuid) -> bool {
-        v.entries
-            .get(&node_key(id))
-            .is_some_and(|e| v.age(e) <= self.lease && decode::<NodeValue>(&e.value).is_some_and(|n| !n.leaving))
-    }
 }
 
 #[async_trait]
@@ -348,17 +261,29 @@ impl Store for Bucket {
         "NATS"
     }
 
+    /// A registration that timed out may have landed: the next try uses
+    /// the same id and takes the key up if it is there, instead of leaving
+    /// an orphan the leader gives slots to until it expires (seen at the
+    /// 100-node start: 20 slots waited a lease).
     async fn register(&self) -> anyhow::Result<Uuid> {
-        let id = Uuid::now_v7();
+        let id = *self.registering.lock().get_or_insert_with(Uuid::now_v7);
         let value = NodeValue {
             name: self.name.clone(),
             leaving: false,
         };
-        let revision = self
-            .kv
-            .create(node_key(id), encode(&value))
-            .await
-            .context("registering this node in the coordination bucket")?;
+        let revision = match self.kv.create(node_key(id), encode(&value)).await {
+            Ok(r) => r,
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => self
+                .kv
+                .entry(node_key(id))
+                .await
+                .context("reading this node's key, made by an earlier try")?
+                .filter(|e| e.operation == kv::Operation::Put)
+                .map(|e| e.revision)
+                .context("this node's key, made by an earlier try, is gone")?,
+            Err(e) => return Err(anyhow::Error::new(e).context("registering this node in the coordination bucket")),
+        };
+        *self.registering.lock() = None;
         *self.me.lock() = Some(Registration { id, revision, value });
         Ok(id)
     }
@@ -375,14 +300,19 @@ impl Store for Bucket {
     async fn leave(&self, id: Uuid) -> anyhow::Result<()> {
         self.kv.delete(node_key(id)).await.context("deleting this node's key")?;
         *self.me.lock() = None;
-        let v = self.cache.view();
-        for (key, slot, revision) in slots(&v) {
-            if slot.owner == Some(id) {
-                let _ = self
-                    .kv
-                    .update(slot_key(&key), encode(&SlotValue::free(slot.epoch)), revision)
-                    .await;
-            }
+        let left: Vec<(SlotKey, i64, u64)> = self.cache.with(|v| {
+            v.owned
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .filter_map(|k| v.slots.get(k).map(|s| (k.clone(), s.value.epoch, s.revision)))
+                .collect()
+        });
+        for (key, epoch, revision) in left {
+            let _ = self
+                .kv
+                .update(slot_key(&key), encode(&SlotValue::free(epoch)), revision)
+                .await;
         }
         let held = self.leader.lock().take();
         if let Some(l) = held.filter(|l| l.id == id) {
@@ -400,12 +330,17 @@ impl Store for Bucket {
     }
 
     async fn mine(&self, id: Uuid) -> anyhow::Result<Mine> {
-        let v = self.current()?;
-        Ok(slots(&v)
-            .into_iter()
-            .filter(|(_, s, _)| s.owner == Some(id))
-            .map(|(k, s, _)| (k, (s.epoch, s.state == "releasing")))
-            .collect())
+        self.read(|v| {
+            v.owned
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .filter_map(|k| {
+                    let s = &v.slots.get(k)?.value;
+                    Some((k.clone(), (s.epoch, s.state == "releasing")))
+                })
+                .collect()
+        })
     }
 
     async fn release(&self, id: Uuid, key: &SlotKey, epoch: i64) -> anyhow::Result<bool> {
@@ -436,22 +371,32 @@ pub async fn status(kv: &kv::Store, lease: Duration) -> anyhow::Result<Status> {
         .filter(|e| v.age(e) <= lease)
         .and_then(|e| decode::<LeaderValue>(&e.value))
         .map(|l| l.node);
-    let all = nodes(&v);
-    let name_of = |id: Uuid| all.iter().find(|n| n.0 == id).map(|n| n.1.name.clone());
-    let mut nodes: Vec<NodeStatus> = all
+    let mut nodes: Vec<NodeStatus> = v
+        .nodes
         .iter()
-        .map(|(id, n, age, _)| NodeStatus {
-            id: *id,
-            name: n.name.clone(),
-            lease_age_s: age.as_secs_f64(),
-            lease_left_s: lease.as_secs_f64() - age.as_secs_f64(),
-            leader: leader == Some(*id),
+        .map(|(id, n)| {
+            let age = v.age_of(n.created).as_secs_f64();
+            NodeStatus {
+                id: *id,
+                name: n.value.name.clone(),
+                lease_age_s: age,
+                lease_left_s: lease.as_secs_f64() - age,
+                leader: leader == Some(*id),
+            }
         })
         .collect();
     nodes.sort_by(|a, b| (&a.name, a.id).cmp(&(&b.name, b.id)));
-    let slots = slots(&v)
-        .into_iter()
-        .map(|(k, s, _)| SlotStatus::new(k.0, k.1, s.owner.and_then(name_of), s.epoch, s.state))
+    let slots = v
+        .slots
+        .iter()
+        .map(|(k, s)| {
+            let owner = s
+                .value
+                .owner
+                .and_then(|o| v.nodes.get(&o))
+                .map(|n| n.value.name.clone());
+            SlotStatus::new(k.0.clone(), k.1, owner, s.value.epoch, s.value.state.clone())
+        })
         .collect();
     Ok(Status {
         mode: "nats-kv".into(),
@@ -628,7 +573,9 @@ mod tests {
             let kv = kv.clone();
             async move {
                 for i in 0u64.. {
-                    let _ = kv.put(format!("node.w{}", i % 7), Bytes::from(i.to_string())).await;
+                    let _ = kv
+                        .put(format!("node.w{}", i % 7), bytes::Bytes::from(i.to_string()))
+                        .await;
                 }
             }
         });
@@ -700,6 +647,33 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn trusting_the_view_a_leader_takes_a_live_slot_away() {
         assert!(!a_slot_of_an_owner_missing_from_the_view(true).await);
+    }
+
+    /// A registration whose first try landed but timed out here is taken
+    /// up by the next try, not left as an orphan with a second id.
+    #[tokio::test]
+    async fn a_registration_that_landed_is_taken_up() {
+        let (name, kv) = bucket().await;
+        let b = node(&kv, "n", Duration::from_secs(5));
+        let id = Uuid::now_v7();
+        *b.registering.lock() = Some(id);
+        let landed = kv
+            .create(
+                node_key(id),
+                encode(&NodeValue {
+                    name: "n".into(),
+                    leaving: false,
+                }),
+            )
+            .await
+            .unwrap();
+        assert_eq!(b.register().await.unwrap(), id);
+        assert_eq!(b.me.lock().as_ref().map(|r| r.revision), Some(landed));
+        assert!(b.renew(id).await.unwrap(), "renewed at the revision taken up");
+        // The next registration (after an expiry) is a new node.
+        assert_ne!(b.register().await.unwrap(), id);
+        drop(b);
+        drop_bucket(&name).await;
     }
 
     /// Another node takes the leader key only once its entry is older than
