@@ -1,7 +1,9 @@
 //! `weir-bench coordination` at a small size against a real PostgreSQL
-//! (`WEIR_BENCH_DATABASE_URL`, else the local server): every phase reaches
-//! balance, no change moves fewer slots than the lower bound, and the
-//! steady state renews leases. Keeps the benchmark from rotting.
+//! (`WEIR_BENCH_DATABASE_URL`, else the local server) and a real NATS
+//! (`--mode nats-kv`; `WEIR_BENCH_NATS_URL`, else the local server): every
+//! phase reaches balance, no change moves fewer slots than the lower bound,
+//! and the steady state renews leases. Keeps the benchmark from rotting.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
 
@@ -9,10 +11,21 @@ use serde_json::Value;
 
 #[test]
 fn a_small_cluster_balances_after_every_change() {
-    let out = std::env::temp_dir().join(format!("weir-coordination-{}.json", std::process::id()));
+    balances_after_every_change("postgres");
+}
+
+#[test]
+fn a_small_nats_kv_cluster_balances_after_every_change() {
+    balances_after_every_change("nats-kv");
+}
+
+fn balances_after_every_change(mode: &str) {
+    let out = std::env::temp_dir().join(format!("weir-coordination-{mode}-{}.json", std::process::id()));
     let run = Command::new(env!("CARGO_BIN_EXE_weir-bench"))
         .args([
             "coordination",
+            "--mode",
+            mode,
             "--nodes",
             "4",
             "--slots",
