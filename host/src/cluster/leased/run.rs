@@ -15,6 +15,7 @@ use super::handoff::{fence, fence_all};
 use super::renewals::Renewals;
 use super::{Member, NEGATIVE_CONTROL_LATE_FENCE, NotReady, Store, TICK, Tick, bounded, step};
 use crate::cluster::coordinator::Start;
+use crate::cluster::slots::SlotKey;
 
 /// Nice value of the coordinator thread: above every other thread of the
 /// node (and of a machine's ordinary processes), so that renewing and
@@ -22,6 +23,7 @@ use crate::cluster::coordinator::Start;
 const COORDINATOR_NICE: i32 = -10;
 
 /// What a leased mode's coordinator needs to start its loop.
+#[derive(Debug, Clone)]
 pub struct Setup {
     /// `[node] name`.
     pub name: String,
@@ -29,6 +31,17 @@ pub struct Setup {
     pub lease: Duration,
     /// `cluster.drain_deadline`.
     pub drain_deadline: Duration,
+}
+
+impl Setup {
+    /// From `[node]` and `[cluster]`.
+    pub fn of(config: &crate::config::Config) -> Self {
+        Self {
+            name: config.node.name.clone(),
+            lease: config.cluster.lease,
+            drain_deadline: config.cluster.drain_deadline(),
+        }
+    }
 }
 
 /// Run the loop on a thread of its own (`weir-coordinator`), with its own
@@ -39,7 +52,7 @@ pub struct Setup {
 pub fn spawn(
     setup: Setup,
     start: Start,
-    open: impl Fn() -> BoxFuture<'static, anyhow::Result<Arc<dyn Store>>> + Send + 'static,
+    open: impl Fn(&Setup, &[SlotKey]) -> BoxFuture<'static, anyhow::Result<Arc<dyn Store>>> + Send + 'static,
 ) -> JoinHandle<anyhow::Result<()>> {
     let (done, result) = tokio::sync::oneshot::channel();
     let thread = std::thread::Builder::new().name("weir-coordinator".into()).spawn(move || {
@@ -51,7 +64,7 @@ pub fn spawn(
                 // Connections made on this thread's runtime: their I/O is
                 // driven here, not by the node's busy runtime.
                 let mut stop = start.stop.clone();
-                let Some(store) = until_done("connecting to the coordinator", &mut stop, &open).await else {
+                let Some(store) = until_done("connecting to the coordinator", &mut stop, || open(&setup, &start.all)).await else {
                     return Ok(());
                 };
                 let member = Member::new(

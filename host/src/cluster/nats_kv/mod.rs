@@ -424,11 +424,7 @@ impl NatsKv {
             urls: config.transport.urls(),
             bucket: config.cluster.bucket().to_owned(),
             replicas: config.transport.replicas(),
-            setup: run::Setup {
-                name: config.node.name.clone(),
-                lease: config.cluster.lease,
-                drain_deadline: config.cluster.drain_deadline(),
-            },
+            setup: run::Setup::of(config),
             observer: tokio::sync::OnceCell::new_with(bucket),
         }
     }
@@ -454,17 +450,12 @@ impl Coordinator for NatsKv {
     /// connection of its own.
     fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
         let (urls, bucket, replicas) = (self.urls.clone(), self.bucket.clone(), self.replicas);
-        let (name, lease) = (self.setup.name.clone(), self.setup.lease);
-        let all = start.all.clone();
-        let setup = run::Setup {
-            name: name.clone(),
-            ..self.setup
-        };
-        Some(run::spawn(setup, start, move || {
-            let (urls, bucket, name, all) = (urls.clone(), bucket.clone(), name.clone(), all.clone());
+        Some(run::spawn(self.setup.clone(), start, move |setup, all| {
+            let (urls, bucket, setup, all) = (urls.clone(), bucket.clone(), setup.clone(), all.to_vec());
             Box::pin(async move {
-                let kv = Self::open(&urls, &format!("weir coordinator {name}"), &bucket, replicas).await?;
-                let store: Arc<dyn Store> = Arc::new(Bucket::new(kv, &name, lease, all));
+                let what = format!("weir coordinator {}", setup.name);
+                let kv = Self::open(&urls, &what, &bucket, replicas).await?;
+                let store: Arc<dyn Store> = Arc::new(Bucket::new(kv, &setup.name, setup.lease, all));
                 Ok(store)
             })
         }))

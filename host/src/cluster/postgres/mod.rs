@@ -170,11 +170,7 @@ impl Postgres {
     pub fn new(pool: PgPool, config: &Config) -> Self {
         Self {
             pool,
-            setup: run::Setup {
-                name: config.node.name.clone(),
-                lease: config.cluster.lease,
-                drain_deadline: config.cluster.drain_deadline(),
-            },
+            setup: run::Setup::of(config),
         }
     }
 }
@@ -195,18 +191,14 @@ impl Coordinator for Postgres {
     /// of its own.
     fn start(&self, start: Start) -> Option<JoinHandle<anyhow::Result<()>>> {
         let options = (*self.pool.connect_options()).clone();
-        let (name, lease) = (self.setup.name.clone(), self.setup.lease);
-        let all = start.all.clone();
-        let setup = run::Setup {
-            name: name.clone(),
-            ..self.setup
-        };
-        Some(run::spawn(setup, start, move || {
-            let (options, name, all) = (options.clone(), name.clone(), all.clone());
-            Box::pin(async move {
-                let store: Arc<dyn Store> = Arc::new(Tables::new(node_pool(options), &name, lease, all));
-                Ok(store)
-            })
+        Some(run::spawn(self.setup.clone(), start, move |setup, all| {
+            let store: Arc<dyn Store> = Arc::new(Tables::new(
+                node_pool(options.clone()),
+                &setup.name,
+                setup.lease,
+                all.to_vec(),
+            ));
+            Box::pin(std::future::ready(Ok(store)))
         }))
     }
 
