@@ -1,10 +1,11 @@
 //! The chaos soak (`weir-soak`, host/src/bin/weir-soak) as part of the
-//! suite: a two-minute run per broker (three `weir run` processes in
-//! `postgres` mode, kill -9, SIGTERM, scaling, broker cuts, database stalls
-//! and outages) must exit 0: nothing lost, no intra-group overlap, nothing
-//! falsely dead-lettered, no stuck slot. Its red baseline,
-//! `negative_control_no_drain_reports_overlaps`, runs the soak with slots
-//! given up before their drain and must see it report overlaps.
+//! suite: a two-minute run per broker in `postgres` mode, and one on NATS in
+//! `nats-kv` mode (three `weir run` processes; kill -9, SIGTERM, scaling,
+//! broker cuts, coordination stalls and outages) must exit 0: nothing lost,
+//! no intra-group overlap, nothing falsely dead-lettered, no stuck slot.
+//! Its red baselines, `negative_control_no_drain_reports_overlaps` (and
+//! `..._on_nats_kv`), run the soak with slots given up before their drain
+//! and must see it report overlaps.
 //!
 //! The runs take turns (one lock): each is a cluster of its own on two cores.
 //! Fixed seeds keep the fault schedule the same from run to run; set
@@ -80,8 +81,10 @@ fn soak(broker: &str, seed: u64, args: &[&str]) -> Run {
     }
 }
 
-fn passes(broker: &str, seed: u64) {
-    let run = soak(broker, seed, &["--duration", "120s"]);
+fn passes(broker: &str, seed: u64, args: &[&str]) {
+    let mut all = vec!["--duration", "120s"];
+    all.extend_from_slice(args);
+    let run = soak(broker, seed, &all);
     assert_eq!(
         run.code,
         Some(0),
@@ -95,12 +98,20 @@ fn passes(broker: &str, seed: u64) {
 
 #[test]
 fn soak_rabbitmq_two_minutes() {
-    passes("rabbitmq", 14_001);
+    passes("rabbitmq", 14_001, &[]);
 }
 
 #[test]
 fn soak_nats_two_minutes() {
-    passes("nats", 14_002);
+    passes("nats", 14_002, &[]);
+}
+
+/// The same soak with the cluster coordinated on a NATS KV bucket: its
+/// coordination stalls and outages (`kv-stall`, `kv-outage`) hold or cut
+/// each node's NATS connections, the streams' and the bucket's together.
+#[test]
+fn soak_nats_kv_two_minutes() {
+    passes("nats", 14_004, &["--cluster", "nats-kv"]);
 }
 
 /// Slots handed over before their drain (`--negative-control no-drain`),
@@ -110,37 +121,50 @@ fn soak_nats_two_minutes() {
 /// drain is not what this control switches off): the soak must report
 /// intra-group overlaps and fail. The same run without the switch reported
 /// none (docs/RELIABILITY.md).
-#[test]
-fn negative_control_no_drain_reports_overlaps() {
-    let run = soak(
-        "nats",
-        14_003,
-        &[
-            "--duration",
-            "60s",
-            "--negative-control",
-            "no-drain",
-            "--faults",
-            "scale-up,kill-9",
-            "--groups",
-            "8",
-            "--rate",
-            "4",
-            "--long-share",
-            "0.5",
-            "--long-ms",
-            "3000..6000",
-            "--sleep-calls",
-            "--max-deliver=-1",
-        ],
-    );
+/// The control's run: handoffs made frequent while long calls hold groups.
+const NO_DRAIN: [&str; 18] = [
+    "--duration",
+    "60s",
+    "--negative-control",
+    "no-drain",
+    "--faults",
+    "scale-up,kill-9",
+    "--groups",
+    "8",
+    "--rate",
+    "4",
+    "--long-share",
+    "0.5",
+    "--long-ms",
+    "3000..6000",
+    "--sleep-calls",
+    "--max-deliver=-1",
+    "--cluster",
+    "postgres",
+];
+
+fn reports_overlaps(seed: u64, cluster: &str) {
+    let mut args = NO_DRAIN;
+    args[NO_DRAIN.len() - 1] = cluster;
+    let run = soak("nats", seed, &args);
     let overlaps = run.summary["overlaps"].as_u64();
     assert!(
         overlaps.is_some_and(|n| n > 0) && run.code == Some(1),
-        "the soak did not see the overlaps of a handoff without drain (exit {:?}, overlaps {overlaps:?}); run directory {}:\n{}",
+        "the {cluster} soak did not see the overlaps of a handoff without drain (exit {:?}, overlaps {overlaps:?}); run directory {}:\n{}",
         run.code,
         run.dir.display(),
         run.stdout
     );
     let _ = std::fs::remove_dir_all(&run.dir);
+}
+
+#[test]
+fn negative_control_no_drain_reports_overlaps() {
+    reports_overlaps(14_003, "postgres");
+}
+
+/// The red baseline of `soak_nats_kv_two_minutes`.
+#[test]
+fn negative_control_no_drain_reports_overlaps_on_nats_kv() {
+    reports_overlaps(14_005, "nats-kv");
 }

@@ -1,15 +1,18 @@
-//! `weir-soak`: a chaos soak of a `postgres`-mode cluster of real `weir run`
-//! processes on RabbitMQ or NATS, with a ledger of its own.
+//! `weir-soak`: a chaos soak of a cluster of real `weir run` processes on
+//! RabbitMQ or NATS, coordinated in `postgres` or `nats-kv` mode, with a
+//! ledger of its own.
 //!
-//! It starts three nodes (each behind a fault proxy to the broker and one to
-//! PostgreSQL), publishes `soak.call` messages at a steady rate over a set
+//! It starts three nodes (each behind a fault proxy to the broker and, in
+//! `postgres` mode, one to PostgreSQL), publishes `soak.call` messages at a steady rate over a set
 //! of groups (call durations mostly short, some up to seconds, so faults
 //! land mid-call with messages queued behind), and injects seeded, random
 //! faults one at a time: kill -9 and restart, SIGTERM and restart, scale up
-//! and down (2–4 nodes), a node's broker connections cut, a node's database
+//! and down (2–4 nodes), a node's broker connections cut, a node's coordination
 //! stalled (bytes held, shorter or longer than the lease: the latter must
-//! fence), and a database outage (every node's database connections cut:
-//! the shared server is not restarted, other work uses it). The guest
+//! fence), and a coordination outage (every node's coordination connections
+//! cut: the shared server is not restarted, other work uses it). In
+//! `nats-kv` mode the coordinator talks to the broker, so its stalls and
+//! outages hold or cut the node's NATS connections, streams and bucket alike. The guest
 //! reports each successful call's wall-clock interval as a cascade that the
 //! soak reads off the broker itself; at the end it reads the dead letters
 //! and prints published, handled, lost, intra-group overlaps, duplicates,
@@ -19,10 +22,12 @@
 //! of those happened; 2 when the soak itself could not run.
 
 mod broker;
+mod bucket;
 mod db;
 mod ledger;
 mod nodes;
 mod proxy;
+mod slots;
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -40,7 +45,7 @@ use rand::{Rng as _, SeedableRng as _};
 
 use broker::Broker;
 use ledger::{DeadLetter, Ledger, Published};
-use nodes::{Node, Template};
+use nodes::{Node, Store, Template};
 
 /// How long a SIGTERMed node may take to drain and exit before it counts as
 /// hung and is killed.
@@ -49,7 +54,7 @@ const TERM_TIMEOUT: Duration = Duration::from_secs(60);
 const MIN_NODES: usize = 2;
 const MAX_NODES: usize = 4;
 
-/// A chaos soak of a `postgres`-mode Weir cluster (see the module docs).
+/// A chaos soak of a Weir cluster (see the module docs).
 #[derive(Parser, Debug)]
 #[command(name = "weir-soak", version, about)]
 struct Args {
@@ -59,6 +64,9 @@ struct Args {
     /// The broker.
     #[arg(long, value_enum, default_value_t = BrokerKind::Rabbitmq)]
     broker: BrokerKind,
+    /// `cluster.mode` of the nodes (`nats-kv` needs `--broker nats`).
+    #[arg(long, value_enum, default_value_t = ClusterKind::Postgres)]
+    cluster: ClusterKind,
     /// Seed of the fault schedule and the publisher (printed; random when absent).
     #[arg(long)]
     seed: Option<u64>,
@@ -141,6 +149,21 @@ enum BrokerKind {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ClusterKind {
+    Postgres,
+    NatsKv,
+}
+
+impl ClusterKind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::NatsKv => "nats-kv",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum NegativeControl {
     NoDrain,
 }
@@ -160,10 +183,13 @@ enum FaultKind {
     ScaleDown,
     /// Cut one node's broker connections for 0.5–5 s.
     BrokerCut,
-    /// Hold one node's database bytes for 0.2–0.6 or 1.2–2.5 leases.
-    DbStall,
-    /// Cut every node's database connections for 0.5–2 leases.
-    DbOutage,
+    /// Hold one node's coordination bytes (PostgreSQL's, or in `nats-kv`
+    /// mode all its NATS bytes) for 0.2–0.6 or 1.2–2.5 leases.
+    #[value(name = "db-stall", alias = "kv-stall")]
+    StoreStall,
+    /// Cut every node's coordination connections for 0.5–2 leases.
+    #[value(name = "db-outage", alias = "kv-outage")]
+    StoreOutage,
 }
 
 impl FaultKind {
@@ -173,19 +199,22 @@ impl FaultKind {
         Self::ScaleUp,
         Self::ScaleDown,
         Self::BrokerCut,
-        Self::DbStall,
-        Self::DbOutage,
+        Self::StoreStall,
+        Self::StoreOutage,
     ];
 
-    fn name(self) -> &'static str {
-        match self {
-            Self::Kill9 => "kill-9",
-            Self::TermRestart => "sigterm-restart",
-            Self::ScaleUp => "scale-up",
-            Self::ScaleDown => "scale-down",
-            Self::BrokerCut => "broker-cut",
-            Self::DbStall => "db-stall",
-            Self::DbOutage => "db-outage",
+    /// Its name in a `cluster` soak (the coordination faults name their store).
+    fn name(self, cluster: ClusterKind) -> &'static str {
+        match (self, cluster) {
+            (Self::Kill9, _) => "kill-9",
+            (Self::TermRestart, _) => "sigterm-restart",
+            (Self::ScaleUp, _) => "scale-up",
+            (Self::ScaleDown, _) => "scale-down",
+            (Self::BrokerCut, _) => "broker-cut",
+            (Self::StoreStall, ClusterKind::Postgres) => "db-stall",
+            (Self::StoreOutage, ClusterKind::Postgres) => "db-outage",
+            (Self::StoreStall, ClusterKind::NatsKv) => "kv-stall",
+            (Self::StoreOutage, ClusterKind::NatsKv) => "kv-outage",
         }
     }
 
@@ -194,7 +223,7 @@ impl FaultKind {
     /// (JetStream redelivers after AckWait without the in-progress signal),
     /// a fence (its interrupted calls are retried).
     fn spends_deliveries(self) -> bool {
-        matches!(self, Self::Kill9 | Self::BrokerCut | Self::DbStall | Self::DbOutage)
+        matches!(self, Self::Kill9 | Self::BrokerCut | Self::StoreStall | Self::StoreOutage)
     }
 
     /// The preconditions: one node always stays healthy, and a fault that
@@ -206,10 +235,10 @@ impl FaultKind {
             return false;
         }
         match self {
-            Self::Kill9 | Self::TermRestart | Self::BrokerCut | Self::DbStall => nodes >= MIN_NODES,
+            Self::Kill9 | Self::TermRestart | Self::BrokerCut | Self::StoreStall => nodes >= MIN_NODES,
             Self::ScaleUp => nodes < MAX_NODES,
             Self::ScaleDown => nodes > MIN_NODES,
-            Self::DbOutage => nodes >= 1,
+            Self::StoreOutage => nodes >= 1,
         }
     }
 }
@@ -305,6 +334,7 @@ struct Chaos {
     nodes: Vec<Node>,
     next: u32,
     template: Template,
+    cluster: ClusterKind,
     broker_addr: SocketAddr,
     db_addr: SocketAddr,
     lease: Duration,
@@ -315,7 +345,7 @@ struct Chaos {
     failed_exits: Vec<String>,
     /// Nodes that could not be started.
     start_failures: Vec<String>,
-    slots: Arc<Mutex<db::Slots>>,
+    slots: Arc<Mutex<slots::Slots>>,
     status: Arc<Mutex<Status>>,
     events: Arc<Events>,
     ledger: Arc<Mutex<Ledger>>,
@@ -443,12 +473,17 @@ impl Chaos {
         if kind.spends_deliveries() {
             self.ledger.lock().expose_outstanding();
         }
-        *self.counts.entry(kind.name()).or_default() += 1;
+        let name = kind.name(self.cluster);
+        *self.counts.entry(name).or_default() += 1;
         {
             let mut s = self.status.lock();
             s.faults += 1;
-            s.last = kind.name().to_owned();
+            s.last = name.to_owned();
         }
+        let store = match self.cluster {
+            ClusterKind::Postgres => "database",
+            ClusterKind::NatsKv => "NATS (stream and bucket)",
+        };
         let lease = self.lease.as_secs_f64();
         match kind {
             FaultKind::Kill9 => {
@@ -489,7 +524,7 @@ impl Chaos {
                 tokio::time::sleep(d).await;
                 self.nodes[i].broker.restore();
             }
-            FaultKind::DbStall => {
+            FaultKind::StoreStall => {
                 let i = self.pick_node();
                 let long = self.rng.random_bool(0.5);
                 let d = if long {
@@ -498,29 +533,29 @@ impl Chaos {
                     self.secs(0.2 * lease, 0.6 * lease)
                 };
                 self.events.say(&format!(
-                    "fault db-stall {} for {:.1}s ({} than the lease{})",
+                    "fault {name} {} ({store} bytes held) for {:.1}s ({} than the lease{})",
                     self.nodes[i].name,
                     d.as_secs_f64(),
                     if long { "longer" } else { "shorter" },
                     if long { ": it must fence" } else { "" }
                 ));
-                self.nodes[i].db.stall();
+                self.nodes[i].store().stall();
                 tokio::time::sleep(d).await;
-                self.nodes[i].db.restore();
+                self.nodes[i].store().restore();
             }
-            FaultKind::DbOutage => {
+            FaultKind::StoreOutage => {
                 let d = self.secs(0.5 * lease, 2.0 * lease);
                 self.events.say(&format!(
-                    "fault db-outage: every node's database connections cut for {:.1}s (slot clock paused)",
+                    "fault {name}: every node's {store} connections cut for {:.1}s (slot clock paused)",
                     d.as_secs_f64()
                 ));
                 self.slots.lock().pause();
                 for n in &self.nodes {
-                    n.db.cut();
+                    n.store().cut();
                 }
                 tokio::time::sleep(d).await;
                 for n in &self.nodes {
-                    n.db.restore();
+                    n.store().restore();
                 }
                 self.slots.lock().resume();
             }
@@ -603,7 +638,7 @@ async fn publish_loop(
     }
 }
 
-fn progress_line(t: Duration, ledger: &Ledger, slots: &db::Slots, status: &Status, total: u32) -> String {
+fn progress_line(t: Duration, ledger: &Ledger, slots: &slots::Slots, status: &Status, total: u32) -> String {
     format!(
         "[{:7.1}s] published {} handled {} outstanding {} calls {} | nodes {} ({}) | slots owned {}/{total}, longest ownerless {:.1}s, stuck {} | faults {} (last {})",
         t.as_secs_f64(),
@@ -646,6 +681,10 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     anyhow::ensure!(
         args.lease >= Duration::from_millis(500),
         "--lease must be at least 500ms"
+    );
+    anyhow::ensure!(
+        args.cluster != ClusterKind::NatsKv || args.broker == BrokerKind::Nats,
+        "--cluster nats-kv coordinates on the NATS broker: it needs --broker nats"
     );
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -698,7 +737,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         ),
     });
     eprintln!(
-        "weir-soak: seed {seed} (rerun with --seed {seed}); broker {broker_name}; run directory {}",
+        "weir-soak: seed {seed} (rerun with --seed {seed}); broker {broker_name}; cluster {}; run directory {}",
+        args.cluster.name(),
         dir.display()
     );
     println!("run directory: {}", dir.display());
@@ -715,14 +755,26 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     };
     let (db_addr, db_template) = loopback(&args.pg_url, 5432, "--pg-url")?;
     let topology = format!("soak-{tag}");
-    let db_name = format!("weir_soak_{tag}");
-    db::create(&args.pg_url, &db_name).await?;
-    events.say(&format!("database {db_name} created; topology {topology}"));
+    let store = match args.cluster {
+        ClusterKind::Postgres => {
+            let db_name = format!("weir_soak_{tag}");
+            db::create(&args.pg_url, &db_name).await?;
+            events.say(&format!("database {db_name} created; topology {topology}"));
+            Store::Postgres {
+                database_url: format!("{db_template}/{db_name}"),
+            }
+        }
+        ClusterKind::NatsKv => {
+            let bucket = format!("soak-{tag}");
+            events.say(&format!("bucket {bucket} (made by the first node); topology {topology}"));
+            Store::NatsKv { bucket }
+        }
+    };
 
     let mut env = Vec::new();
     if args.negative_control == Some(NegativeControl::NoDrain) {
         env.push((
-            weir::cluster::postgres::NEGATIVE_CONTROL_NO_DRAIN.to_owned(),
+            weir::cluster::leased::NEGATIVE_CONTROL_NO_DRAIN.to_owned(),
             "1".to_owned(),
         ));
         if args.broker == BrokerKind::Rabbitmq {
@@ -738,7 +790,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         component,
         kind: broker_name,
         broker_url: broker_template,
-        database_url: format!("{db_template}/{db_name}"),
+        store: store.clone(),
         lease: args.lease,
         topology: topology.clone(),
         slots: args.slots,
@@ -766,7 +818,6 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         db_addr,
         &broker_url,
         &topology,
-        &db_name,
         &dir,
         &events,
     )
@@ -780,7 +831,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
             b.close().await;
         }
-        if let Err(e) = db::drop(&args.pg_url, &db_name).await {
+        let dropped = match &store {
+            Store::Postgres { .. } => db::drop(&args.pg_url, &format!("weir_soak_{tag}")).await,
+            Store::NatsKv { bucket } => bucket::delete(&broker_url, bucket).await,
+        };
+        if let Err(e) = dropped {
             events.say(&format!("cleanup: {e:#}"));
         }
     };
@@ -807,11 +862,10 @@ async fn soak(
     db_addr: SocketAddr,
     broker_url: &str,
     topology: &str,
-    db_name: &str,
     dir: &std::path::Path,
     events: &Arc<Events>,
 ) -> anyhow::Result<bool> {
-    let slots = Arc::new(Mutex::new(db::Slots::default()));
+    let slots = Arc::new(Mutex::new(slots::Slots::default()));
     let status = Arc::new(Mutex::new(Status::default()));
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let mut chaos = Chaos {
@@ -819,6 +873,7 @@ async fn soak(
         nodes: Vec::new(),
         next: 0,
         template,
+        cluster: args.cluster,
         broker_addr,
         db_addr,
         lease: args.lease,
@@ -848,17 +903,31 @@ async fn soak(
     let observer = broker.observe(topology, args.slots, ledger.clone()).await?;
 
     // Every slot owned before the clock starts.
-    let server_db = format!("{}/{db_name}", args.pg_url);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let threshold = args.lease + Duration::from_secs(1);
-    let watcher = tokio::spawn(db::watch(
-        server_db,
-        topology.to_owned(),
-        args.slots,
-        threshold,
-        slots.clone(),
-        stop_rx.clone(),
-    ));
+    let watcher = match &chaos.template.store {
+        Store::Postgres { database_url } => {
+            let (_, db) = database_url.rsplit_once('/').context("the database URL names no database")?;
+            tokio::spawn(db::watch(
+                format!("{}/{db}", args.pg_url),
+                topology.to_owned(),
+                args.slots,
+                threshold,
+                slots.clone(),
+                stop_rx.clone(),
+            ))
+        }
+        Store::NatsKv { bucket } => tokio::spawn(bucket::watch(
+            broker_url.to_owned(),
+            bucket.clone(),
+            args.lease,
+            topology.to_owned(),
+            args.slots,
+            threshold,
+            slots.clone(),
+            stop_rx.clone(),
+        )),
+    };
     slots.lock().pause();
     let start = Instant::now();
     loop {
@@ -871,7 +940,7 @@ async fn soak(
                 dir.display()
             );
         }
-        tokio::time::sleep(db::POLL).await;
+        tokio::time::sleep(slots::POLL).await;
     }
     slots.lock().resume();
     events.say(&format!(
@@ -936,7 +1005,7 @@ async fn soak(
     // Quiet: every proxy forwards; wait for each message to be handled or dead-lettered.
     for n in &chaos.nodes {
         n.broker.restore();
-        n.db.restore();
+        n.store().restore();
     }
     let quiet_start = Instant::now();
     let min_quiet = args.lease * 2 + Duration::from_secs(2);
@@ -1019,8 +1088,9 @@ async fn soak(
     let faults: Vec<String> = chaos.counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
     let mut out = String::new();
     out.push_str(&format!(
-        "weir-soak summary: broker {}, seed {seed}, {:?} of faults, {} nodes at the start, lease {:?}, rate {}/s, {} groups, {} slots{}\n",
+        "weir-soak summary: broker {}, cluster {}, seed {seed}, {:?} of faults, {} nodes at the start, lease {:?}, rate {}/s, {} groups, {} slots{}\n",
         template_kind(args.broker),
+        args.cluster.name(),
         args.duration,
         args.nodes,
         args.lease,
@@ -1111,6 +1181,7 @@ async fn soak(
     let _ = std::fs::write(dir.join("summary.txt"), &out);
     let json = serde_json::json!({
         "broker": template_kind(args.broker),
+        "cluster": args.cluster.name(),
         "seed": seed,
         "duration_s": args.duration.as_secs_f64(),
         "negative_control": args.negative_control.is_some(),

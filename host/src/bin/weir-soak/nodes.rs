@@ -1,6 +1,7 @@
 //! The `weir run` processes of a soak: each gets its own config file and
-//! log file in the run directory, and its own two fault proxies (one to the
-//! broker, one to PostgreSQL). Stopped with SIGTERM (drain) or SIGKILL
+//! log file in the run directory, and its own fault proxies: one to the
+//! broker, and in `postgres` mode one to PostgreSQL (in `nats-kv` mode the
+//! coordinator's connection goes to the broker, through the same proxy). Stopped with SIGTERM (drain) or SIGKILL
 //! (crash); whatever still runs when the set is dropped is killed.
 
 use std::net::SocketAddr;
@@ -15,6 +16,15 @@ use crate::proxy::Proxy;
 /// How long a node may take to log `node started`.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// A cluster's coordination store.
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// `cluster.mode = "postgres"`: the database URL with `{port}` where the proxy's port goes.
+    Postgres { database_url: String },
+    /// `cluster.mode = "nats-kv"`: the bucket, on the broker.
+    NatsKv { bucket: String },
+}
+
 /// What a node's config needs to know, apart from its name and proxies.
 #[derive(Debug, Clone)]
 pub struct Template {
@@ -26,8 +36,8 @@ pub struct Template {
     pub kind: &'static str,
     /// Broker URL with `{port}` where the proxy's port goes.
     pub broker_url: String,
-    /// Database URL with `{port}` where the proxy's port goes.
-    pub database_url: String,
+    /// Where the cluster coordinates.
+    pub store: Store,
     /// The coordinator lease.
     pub lease: Duration,
     /// Topology name.
@@ -45,10 +55,18 @@ pub struct Template {
 }
 
 impl Template {
-    /// The TOML of node `name` whose broker and database go through ports `broker` and `db`.
+    /// The TOML of node `name` whose broker goes through port `broker`, and
+    /// its database (`postgres` mode) through port `db`.
     pub fn config(&self, name: &str, broker: u16, db: u16) -> String {
+        let cluster = match &self.store {
+            Store::Postgres { database_url } => format!(
+                "mode = \"postgres\"\ndatabase_url = \"{}\"",
+                database_url.replace("{port}", &db.to_string())
+            ),
+            Store::NatsKv { bucket } => format!("mode = \"nats-kv\"\nbucket = \"{bucket}\""),
+        };
         format!(
-            r#"# weir-soak node {name}: broker via proxy port {broker}, database via proxy port {db}
+            r#"# weir-soak node {name}: broker via proxy port {broker}
 [node]
 name = "{name}"
 [transport]
@@ -56,8 +74,7 @@ kind = "{kind}"
 url = "{broker_url}"
 prefetch = {prefetch}
 [cluster]
-mode = "postgres"
-database_url = "{database_url}"
+{cluster}
 lease = "{lease}ms"
 [[topology]]
 name = "{topology}"
@@ -76,7 +93,6 @@ config = {{ node = "{name}" }}
 "#,
             kind = self.kind,
             broker_url = self.broker_url.replace("{port}", &broker.to_string()),
-            database_url = self.database_url.replace("{port}", &db.to_string()),
             prefetch = self.prefetch,
             lease = self.lease.as_millis(),
             topology = self.topology,
@@ -96,17 +112,20 @@ pub struct Node {
     pub log: PathBuf,
     /// The proxy to the broker.
     pub broker: Proxy,
-    /// The proxy to PostgreSQL.
-    pub db: Proxy,
+    /// The proxy to PostgreSQL (`postgres` mode).
+    db: Option<Proxy>,
 }
 
 impl Node {
     /// Start node `name`: proxies, config, process; wait (bounded) for `node started`.
     pub async fn start(t: &Template, name: &str, broker: SocketAddr, db: SocketAddr) -> anyhow::Result<Self> {
         let broker = Proxy::start(broker).await?;
-        let db = Proxy::start(db).await?;
+        let db = match t.store {
+            Store::Postgres { .. } => Some(Proxy::start(db).await?),
+            Store::NatsKv { .. } => None,
+        };
         let config = t.dir.join(format!("{name}.toml"));
-        std::fs::write(&config, t.config(name, broker.port, db.port))
+        std::fs::write(&config, t.config(name, broker.port, db.as_ref().map_or(0, |p| p.port)))
             .with_context(|| format!("writing {}", config.display()))?;
         let log = t.dir.join(format!("{name}.log"));
         let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -148,6 +167,12 @@ impl Node {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// The proxy its coordinator's connections go through: PostgreSQL's in
+    /// `postgres` mode, the broker's in `nats-kv` mode.
+    pub fn store(&self) -> &Proxy {
+        self.db.as_ref().unwrap_or(&self.broker)
     }
 
     /// The process id, while it runs.
