@@ -112,9 +112,8 @@ mod tests {
 
     #[test]
     fn a_slot_is_owned_only_by_a_live_node_and_only_when_not_free() {
-        let slot = |n: u32, owner: Option<&str>, state: &str| {
-            SlotStatus::new("t", n, owner.map(str::to_owned), 1, state)
-        };
+        let slot =
+            |n: u32, owner: Option<&str>, state: &str| SlotStatus::new("t", n, owner.map(str::to_owned), 1, state);
         let status = Status {
             mode: "nats-kv".into(),
             nodes: vec![node("n0", 1.5), node("n1", -0.1)],

@@ -92,4 +92,3 @@ pub async fn watch(
         }
     }
 }
-

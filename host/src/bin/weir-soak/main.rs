@@ -223,7 +223,10 @@ impl FaultKind {
     /// (JetStream redelivers after AckWait without the in-progress signal),
     /// a fence (its interrupted calls are retried).
     fn spends_deliveries(self) -> bool {
-        matches!(self, Self::Kill9 | Self::BrokerCut | Self::StoreStall | Self::StoreOutage)
+        matches!(
+            self,
+            Self::Kill9 | Self::BrokerCut | Self::StoreStall | Self::StoreOutage
+        )
     }
 
     /// The preconditions: one node always stays healthy, and a fault that
@@ -766,7 +769,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         }
         ClusterKind::NatsKv => {
             let bucket = format!("soak-{tag}");
-            events.say(&format!("bucket {bucket} (made by the first node); topology {topology}"));
+            events.say(&format!(
+                "bucket {bucket} (made by the first node); topology {topology}"
+            ));
             Store::NatsKv { bucket }
         }
     };
@@ -907,7 +912,9 @@ async fn soak(
     let threshold = args.lease + Duration::from_secs(1);
     let watcher = match &chaos.template.store {
         Store::Postgres { database_url } => {
-            let (_, db) = database_url.rsplit_once('/').context("the database URL names no database")?;
+            let (_, db) = database_url
+                .rsplit_once('/')
+                .context("the database URL names no database")?;
             tokio::spawn(db::watch(
                 format!("{}/{db}", args.pg_url),
                 topology.to_owned(),
