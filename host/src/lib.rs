@@ -49,6 +49,9 @@ pub mod outcome;
 /// Outcome → ack, retry, cascades, dead-letter capture.
 pub mod settle;
 
+/// `handler.dedup`: records of handled messages in the coordinator's store.
+pub mod dedup;
+
 /// The retry ladder (pure arithmetic).
 pub mod retry;
 

@@ -315,6 +315,42 @@ async fn open_bucket(config: &Config) -> anyhow::Result<Option<async_nats::jetst
     Ok(Some(kv))
 }
 
+/// Where `handler.dedup` keeps its records, when a handler asks for it: a
+/// table beside the coordination tables (`postgres`), or a bucket beside
+/// the coordination bucket (`nats-kv`), kept for the longest window.
+async fn open_dedup(config: &Config) -> anyhow::Result<Option<Arc<dyn crate::dedup::Store>>> {
+    let Some(longest) = config.handler.iter().filter_map(|h| h.dedup.map(|d| d.window)).max() else {
+        return Ok(None);
+    };
+    let store: Arc<dyn crate::dedup::Store> = match config.cluster.mode {
+        ClusterMode::Postgres => {
+            let url = config.cluster.database_url.as_deref().unwrap_or_default();
+            Arc::new(crate::dedup::pg::Postgres::connect(url).await?)
+        }
+        ClusterMode::NatsKv => {
+            let client =
+                crate::transport::nats::connect(&config.transport.urls(), &format!("weir {} dedup", config.node.name))
+                    .await?;
+            let name = crate::dedup::kv::bucket_name(config.cluster.bucket());
+            let bucket = crate::dedup::kv::Bucket::open(
+                &async_nats::jetstream::new(client),
+                &name,
+                config.transport.replicas(),
+                longest,
+            )
+            .await?;
+            Arc::new(bucket)
+        }
+        other => anyhow::bail!(
+            "{}: handler.dedup needs cluster.mode = \"postgres\" or \"nats-kv\", not {:?}",
+            config.origin,
+            other.as_str()
+        ),
+    };
+    tracing::info!(store = store.what(), window = %humantime::format_duration(longest), "handler.dedup records ready");
+    Ok(Some(store))
+}
+
 /// Check every topology's retry schedule against the broker and declare it;
 /// the slot count of each, by name.
 async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
@@ -443,15 +479,16 @@ impl Node {
         let router = Arc::new(bind_handlers(config)?);
         let database = connect_database(config).await?;
         let registry = Registry::start(config, runtime.clone(), router.clone(), database.clone()).await?;
+        let topologies = declare_topologies(config, transport.as_ref()).await?;
+        let bucket = open_bucket(config).await?;
         let pipeline = Arc::new(Pipeline {
             transport: transport.clone(),
             pool: Arc::new(WorkerPool::new(runtime, opts.workers)?),
             router,
             stats: Arc::new(Stats::default()),
             observer: opts.settle_observer.clone(),
+            dedup: open_dedup(config).await?,
         });
-        let topologies = declare_topologies(config, transport.as_ref()).await?;
-        let bucket = open_bucket(config).await?;
         let coordinator = cluster::coordinator(config, database, bucket)?;
         let (stop, stop_rx) = watch::channel(false);
         let forwarders = forward_ingresses(config, &pipeline, &stop_rx);

@@ -68,11 +68,14 @@ pub enum Outcome {
     Requeued,
     /// Returned unprocessed (drain, handoff, shutdown).
     Released,
+    /// Already handled (`handler.dedup` had a record of it): acknowledged
+    /// without a call.
+    Deduplicated,
 }
 
 impl Outcome {
     /// Its name in traces: `ack`, `retry`, `dead-letter`, `stranded`,
-    /// `uncertain`, `requeued`, `release`.
+    /// `uncertain`, `requeued`, `release`, `dedup-ack`.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Handled => "ack",
@@ -82,6 +85,7 @@ impl Outcome {
             Outcome::Uncertain => "uncertain",
             Outcome::Requeued => "requeued",
             Outcome::Released => "release",
+            Outcome::Deduplicated => "dedup-ack",
         }
     }
 }

@@ -177,6 +177,16 @@ impl Collector for Scrape {
                 ("outcome", "uncertain", s.uncertain),
                 ("outcome", "requeued", s.requeued),
                 ("outcome", "released", s.released),
+                ("outcome", "deduplicated", s.deduplicated),
+            ],
+        )?;
+        counter(
+            &mut encoder,
+            "dedup_failures",
+            "handler.dedup store operations that failed, by operation.",
+            &[
+                ("op", "lookup", s.dedup_lookup_failures),
+                ("op", "record", s.dedup_record_failures),
             ],
         )?;
         let reasons: Vec<(Reason, u64)> = s.dead_lettered.to_vec();

@@ -118,6 +118,7 @@ impl SlotSet {
             router: Arc::new(crate::router::Router::new()),
             stats: Arc::default(),
             observer: None,
+            dedup: None,
         });
         let settings = TopologySettings {
             topology: Arc::from(topology),

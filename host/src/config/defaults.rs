@@ -155,3 +155,6 @@ pub(super) fn sampling() -> f64 {
 pub(super) fn service_name() -> String {
     "weir".to_owned()
 }
+
+/// Longest `handler.dedup.window`: a week of records.
+pub const DEDUP_WINDOW_MAX: Duration = Duration::from_secs(7 * 24 * 3600);

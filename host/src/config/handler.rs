@@ -42,6 +42,10 @@ pub struct Handler {
     /// WASI capabilities granted beyond clocks and random; all denied by default.
     #[serde(default)]
     pub wasi: Wasi,
+    /// Skip what this handler already handled: a message redelivered after
+    /// its success (its ack lost to a crash) is acked without a call.
+    #[serde(default)]
+    pub dedup: Option<Dedup>,
 }
 
 impl Handler {
@@ -63,8 +67,19 @@ impl Handler {
             config: BTreeMap::new(),
             instance_mode: InstanceMode::default(),
             wasi: Wasi::default(),
+            dedup: None,
         }
     }
+}
+
+/// `handler.dedup`: a record of each handled (tenant, group, message id),
+/// kept in the coordinator's store for `window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dedup {
+    /// How long a handled message is remembered, e.g. `"10m"`.
+    #[serde(deserialize_with = "de_duration")]
+    pub window: Duration,
 }
 
 /// `handler.batch`.

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use handler::{Batch, Handler, InstanceMode, Limits, Preopen, Wasi};
+pub use handler::{Batch, Dedup, Handler, InstanceMode, Limits, Preopen, Wasi};
 pub use load::{ConfigError, load, parse};
 pub(crate) use tenant::is_within;
 pub use tenant::{Tenant, TenantAllow, TenantBudgets, TenantLimits};

@@ -987,3 +987,28 @@ fn queue_type_is_for_rabbitmq_and_replicas_for_nats() {
     let c = parse(&with_transport("kind = \"nats\"\nurl = \"nats://h\""), "<inline>").expect("valid");
     assert_eq!(c.transport.replicas(), 1);
 }
+
+#[test]
+fn dedup_needs_a_coordinator_store_and_a_sane_window() {
+    // The default mode (solo) keeps nothing shared.
+    assert_one(
+        &base("dedup = { window = \"10m\" }\n"),
+        "handler[0].dedup",
+        "needs the coordinator's store",
+    );
+    let pg = "[cluster]\nmode = \"postgres\"\ndatabase_url = \"postgres://postgres@127.0.0.1/weir\"\n";
+    let c = parse(&format!("{pg}{}", base("dedup = { window = \"10m\" }\n")), "weir.toml").unwrap();
+    assert_eq!(
+        c.handler[0].dedup.map(|d| d.window),
+        Some(std::time::Duration::from_secs(600))
+    );
+    assert_one(
+        &format!("{pg}{}", base("dedup = { window = \"0s\" }\n")),
+        "handler[0].dedup.window",
+        "outside 1s",
+    );
+    assert!(
+        syntax(&format!("{pg}{}", base("dedup = { windw = \"1m\" }\n"))).contains("windw"),
+        "an unknown key in dedup is named"
+    );
+}

@@ -526,6 +526,32 @@ impl Config {
         }
     }
 
+    /// `handler.dedup` keeps its record in the coordinator's store: only
+    /// the modes that have one can honour it.
+    fn validate_dedup(&self, key: &str, d: &super::Dedup, errors: &mut Issues) {
+        if !self.cluster.leased() {
+            errors.add(
+                key.to_owned(),
+                format!(
+                    "needs the coordinator's store, and cluster.mode = \"{}\" has none; accepted: \
+                     cluster.mode = \"postgres\" or \"nats-kv\", or remove dedup",
+                    self.cluster.mode.as_str()
+                ),
+            );
+        }
+        if d.window < std::time::Duration::from_secs(1) || d.window > super::defaults::DEDUP_WINDOW_MAX {
+            errors.add(
+                format!("{key}.window"),
+                format!(
+                    "{} is outside 1s..={}; a redelivery after a lost ack comes within the lease and \
+                     the ack wait, so minutes are plenty",
+                    humantime::format_duration(d.window),
+                    humantime::format_duration(super::defaults::DEDUP_WINDOW_MAX)
+                ),
+            );
+        }
+    }
+
     fn validate_handlers(&self, errors: &mut Issues) {
         let mut names: HashMap<&str, usize> = HashMap::new();
         // (topology, tenant, message type) → (handler index, key)
@@ -565,6 +591,9 @@ impl Config {
                         h.topology
                     ),
                 );
+            }
+            if let Some(d) = &h.dedup {
+                self.validate_dedup(&format!("{key}.dedup"), d, errors);
             }
             if let Some(tenant) = &h.tenant
                 && tenant.trim().is_empty()

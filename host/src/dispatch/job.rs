@@ -5,11 +5,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crate::bindings::weir::handler::types::Failure;
+use crate::dedup;
 use crate::envelope::{Envelope, header};
 use crate::observe::stats::FlushReason;
-use crate::outcome::Reason;
+use crate::outcome::{Outcome, Reason};
 use crate::retry::schedule::{Redelivery, Schedule};
 use crate::router::PinError;
 use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion, Interrupt};
@@ -17,7 +19,7 @@ use crate::settle::Pending;
 use crate::settle::capture::capture_envelope;
 use crate::settle::cascades::publish_cascades;
 use crate::settle::decide::settle_all;
-use crate::transport::Delivery;
+use crate::transport::{Delivery, Disposition};
 
 use super::{Pipeline, SlotSettings};
 
@@ -147,6 +149,91 @@ async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<E
     (envs, pending)
 }
 
+/// Drop from a run what `handler.dedup` says was handled already: each such
+/// delivery is acked without a call (`deduplicated`). A lookup that fails is
+/// tried again (the lane waits: running the rest would break its order)
+/// until it answers or the slot's calls are interrupted (fence, drain
+/// deadline), which releases the whole run unstarted, in arrival order.
+async fn skip_handled(
+    p: &Pipeline,
+    s: &SlotSettings,
+    cancel: &Interrupt,
+    envs: Vec<Envelope>,
+    pending: Vec<Pending>,
+) -> (Vec<Envelope>, Vec<Pending>) {
+    let Some(store) = p.dedup.as_deref() else {
+        return (envs, pending);
+    };
+    let asks: Vec<usize> = (0..envs.len())
+        .filter(|&i| pending[i].handler.settings.dedup.is_some())
+        .collect();
+    if asks.is_empty() {
+        return (envs, pending);
+    }
+    let keys: Vec<dedup::Key> = asks.iter().map(|&i| dedup::Key::of(&envs[i])).collect();
+    let mut wait = Duration::from_millis(100);
+    let seen = loop {
+        match dedup::seen(store, &keys).await {
+            Ok(seen) => break seen,
+            Err(e) => {
+                p.stats.dedup_lookup_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    topology = %s.topology, slot = s.slot, messages = keys.len(), error = %format!("{e:#}"),
+                    retry_in = ?wait, "dedup lookup failed; the lane waits and asks again"
+                );
+                if cancel.is_cancelled() {
+                    release_run(p, pending).await;
+                    return (Vec::new(), Vec::new());
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+                if cancel.is_cancelled() {
+                    release_run(p, pending).await;
+                    return (Vec::new(), Vec::new());
+                }
+            }
+        }
+    };
+    let skip: std::collections::HashSet<usize> = asks
+        .iter()
+        .zip(seen)
+        .filter_map(|(&i, seen)| seen.then_some(i))
+        .collect();
+    if skip.is_empty() {
+        return (envs, pending);
+    }
+    let cx = p.slot(s);
+    let mut kept = (Vec::with_capacity(envs.len()), Vec::with_capacity(envs.len()));
+    for (i, (env, pend)) in envs.into_iter().zip(pending).enumerate() {
+        if !skip.contains(&i) {
+            kept.0.push(env);
+            kept.1.push(pend);
+            continue;
+        }
+        tracing::info!(
+            handler = pend.handler.name(), message_id = %env.id, group = env.group().unwrap_or(""),
+            attempt = env.attempt, "already handled (handler.dedup); acked without a call"
+        );
+        if let Err(e) = pend.acker.settle(Disposition::Ack).await {
+            cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(tag = pend.tag, error = %e, "ack of a deduplicated message failed; it may be delivered again");
+        }
+        cx.record(Some(&pend.handler), &env.id, Outcome::Deduplicated);
+    }
+    kept
+}
+
+/// Release every delivery of a run, in arrival order (never an attempt).
+async fn release_run(p: &Pipeline, mut pending: Vec<Pending>) {
+    pending.sort_by_key(|x| x.tag);
+    for x in pending {
+        if let Err(e) = x.acker.settle(Disposition::Release).await {
+            tracing::warn!(tag = x.tag, error = %e, "release failed; the broker redelivers it");
+        }
+        p.stats.record(Outcome::Released);
+    }
+}
+
 /// Call `handle` for each item in order on one worker. `None` when the pool
 /// is gone (process shutting down): the deliveries are then neither acked
 /// nor captured, so the broker redelivers them.
@@ -167,6 +254,7 @@ async fn call_each(
 /// Run one lane's messages (in order, on one worker) and settle each.
 pub(super) async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<Interrupt>, run: Vec<Delivery>) {
     let (envs, pending) = admit_all(&p, &s, run).await;
+    let (envs, pending) = skip_handled(&p, &s, &cancel, envs, pending).await;
     if envs.is_empty() {
         return;
     }
@@ -198,6 +286,7 @@ pub(super) async fn run_batches(
     let mut pendings = Vec::with_capacity(batches.len());
     for (members, reason) in batches {
         let (batch, pending) = admit_all(&p, &s, members).await;
+        let (batch, pending) = skip_handled(&p, &s, &cancel, batch, pending).await;
         // Every member routes to the same handler; one version runs them
         // all (a swap between two lookups must not split the batch).
         let Some(handler) = pending.first().map(|x| x.handler.clone()) else {

@@ -59,6 +59,8 @@ pub struct Pipeline {
     pub stats: Arc<Stats>,
     /// Told the outcome of every settled message (ledgers, tests).
     pub observer: Option<Arc<dyn SettleObserver>>,
+    /// Where `handler.dedup` keeps its records (`None`: no handler asks).
+    pub dedup: Option<Arc<dyn crate::dedup::Store>>,
 }
 
 impl Pipeline {
@@ -68,6 +70,7 @@ impl Pipeline {
             transport: self.transport.as_ref(),
             stats: &self.stats,
             observer: self.observer.as_deref(),
+            dedup: self.dedup.as_deref(),
         }
     }
 

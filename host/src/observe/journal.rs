@@ -96,6 +96,7 @@ impl SettleObserver for Journal {
             Outcome::Uncertain => "uncertain".to_owned(),
             Outcome::Requeued => "requeued".to_owned(),
             Outcome::Released => "released".to_owned(),
+            Outcome::Deduplicated => "deduplicated".to_owned(),
         };
         self.line(&format!("settle\t{}\t{id}\t{label}\n", self.node));
     }

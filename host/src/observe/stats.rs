@@ -24,7 +24,7 @@ pub struct OutcomeCounters {
 }
 
 /// The outcome labels, in counter order.
-pub const OUTCOMES: [&str; 7] = [
+pub const OUTCOMES: [&str; 8] = [
     "handled",
     "retry-scheduled",
     "dead-lettered",
@@ -32,6 +32,7 @@ pub const OUTCOMES: [&str; 7] = [
     "uncertain",
     "requeued",
     "released",
+    "deduplicated",
 ];
 
 fn outcome_index(o: Outcome) -> usize {
@@ -43,6 +44,7 @@ fn outcome_index(o: Outcome) -> usize {
         Outcome::Uncertain => 4,
         Outcome::Requeued => 5,
         Outcome::Released => 6,
+        Outcome::Deduplicated => 7,
     }
 }
 
@@ -152,6 +154,14 @@ pub struct Stats {
     pub requeued: AtomicU64,
     /// Returned unprocessed (drain, handoff).
     pub released: AtomicU64,
+    /// Already handled (`handler.dedup`): acked without a call.
+    pub deduplicated: AtomicU64,
+    /// `handler.dedup` records that could not be written (the message was
+    /// acked all the same: a crash before that ack could run it again).
+    pub dedup_record_failures: AtomicU64,
+    /// `handler.dedup` lookups that failed (the messages went back to the
+    /// broker unstarted, to be looked up again).
+    pub dedup_lookup_failures: AtomicU64,
     /// Acks of handled messages whose confirmation failed (it may be redelivered).
     pub ack_failures: AtomicU64,
     /// Cascaded messages published.
@@ -258,6 +268,7 @@ impl Stats {
             Outcome::Uncertain => &self.uncertain,
             Outcome::Requeued => &self.requeued,
             Outcome::Released => &self.released,
+            Outcome::Deduplicated => &self.deduplicated,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -290,6 +301,9 @@ impl Stats {
             uncertain: g(&self.uncertain),
             requeued: g(&self.requeued),
             released: g(&self.released),
+            deduplicated: g(&self.deduplicated),
+            dedup_record_failures: g(&self.dedup_record_failures),
+            dedup_lookup_failures: g(&self.dedup_lookup_failures),
             ack_failures: g(&self.ack_failures),
             cascaded: g(&self.cascaded),
             faults: g(&self.faults),
@@ -320,6 +334,12 @@ pub struct Snapshot {
     pub requeued: u64,
     /// See [`Stats::released`].
     pub released: u64,
+    /// See [`Stats::deduplicated`].
+    pub deduplicated: u64,
+    /// See [`Stats::dedup_record_failures`].
+    pub dedup_record_failures: u64,
+    /// See [`Stats::dedup_lookup_failures`].
+    pub dedup_lookup_failures: u64,
     /// See [`Stats::ack_failures`].
     pub ack_failures: u64,
     /// See [`Stats::cascaded`].

@@ -68,6 +68,7 @@ pub(super) fn base_settings(
     s.max_instances = h.limits.instances as usize;
     s.permits = Some(Arc::new(tokio::sync::Semaphore::new(s.max_instances.max(1))));
     s.fuel = h.limits.fuel;
+    s.dedup = h.dedup.map(|d| d.window);
     s.wasi.inherit_stdio = h.wasi.inherit_stdio;
     s.wasi.network = h.wasi.network;
     if let Some(t) = h.tenant.as_deref() {

@@ -105,6 +105,9 @@ pub struct HandlerSettings {
     /// Per-call budgets of its own (its tenant's, `tenant.budgets`); `None`: the node's
     /// ([`RuntimeOptions::budgets`]).
     pub budgets: Option<CallBudgets>,
+    /// `handler.dedup.window`: how long a handled message is remembered
+    /// (`None`: no dedup).
+    pub dedup: Option<Duration>,
 }
 
 /// A tenant's share of the node: calls of all its handlers at once.
@@ -136,6 +139,7 @@ impl HandlerSettings {
             metrics: Arc::default(),
             budget: Arc::default(),
             budgets: None,
+            dedup: None,
         }
     }
 }

@@ -2,11 +2,13 @@
 //! on the ladder, or a confirmed capture; a cancelled call is released.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use super::capture::capture_envelope;
 use super::cascades::publish_cascades;
 use super::{Pending, Slot};
 use crate::bindings::weir::handler::types::Failure;
+use crate::dedup;
 use crate::envelope::Envelope;
 use crate::outcome::{Outcome, Reason};
 use crate::retry::schedule::Step;
@@ -20,6 +22,18 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
     // settle those in order right here. Everything else (cascades to
     // confirm, retries, captures) may wait on the broker, so those settle
     // concurrently, each boxed so this future stays small.
+    if let Some(store) = cx.sink.dedup {
+        // What will be acked below without a cascade is recorded first, in
+        // one write; successes with cascades are recorded in `settle`, once
+        // their cascades are confirmed.
+        let keys: Vec<(dedup::Key, Duration)> = outcomes
+            .iter()
+            .zip(&pending)
+            .filter(|((_, o), _)| matches!(o, CallOutcome::Done { result: Ok(()), published } if published.is_empty()))
+            .filter_map(|((env, _), pend)| Some((dedup::Key::of(env), pend.handler.settings.dedup?)))
+            .collect();
+        remember(cx, store, keys).await;
+    }
     let mut slow = Vec::new();
     for ((mut env, outcome), mut pend) in outcomes.into_iter().zip(pending) {
         // Traced: what is retried or dead-lettered carries the context it
@@ -33,6 +47,7 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
                 result: Ok(()),
                 published,
             } if published.is_empty() => {
+                super::fault::before_ack();
                 if let Err(e) = pend.acker.settle(Disposition::Ack).await {
                     cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
@@ -57,6 +72,23 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
     }
     if !slow.is_empty() {
         futures::future::join_all(slow).await;
+    }
+}
+
+/// Record `keys` as handled (`handler.dedup`), before their acks. A write
+/// that fails is counted and logged, and the messages are acked all the
+/// same: holding them would not make the record land.
+async fn remember(cx: &Slot<'_>, store: &dyn dedup::Store, keys: Vec<(dedup::Key, Duration)>) {
+    if keys.is_empty() {
+        return;
+    }
+    let n = keys.len() as u64;
+    if let Err(e) = dedup::record(store, keys).await {
+        cx.sink.stats.dedup_record_failures.fetch_add(n, Ordering::Relaxed);
+        tracing::warn!(
+            topology = cx.topology, messages = n, error = %format!("{e:#}"),
+            "recording handled messages (handler.dedup) failed; they are acked, and would run again if that ack were lost"
+        );
     }
 }
 
@@ -94,6 +126,10 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
             published,
         } => match publish_cascades(cx, published.into_iter().map(|o| o.envelope)).await {
             Ok(()) => {
+                if let (Some(store), Some(window)) = (cx.sink.dedup, handler.settings.dedup) {
+                    remember(cx, store, vec![(dedup::Key::of(&env), window)]).await;
+                }
+                super::fault::before_ack();
                 if let Err(e) = acker.settle(Disposition::Ack).await {
                     cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");

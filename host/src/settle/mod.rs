@@ -12,6 +12,7 @@
 pub mod capture;
 pub mod cascades;
 pub mod decide;
+pub mod fault;
 
 use std::sync::Arc;
 
@@ -30,6 +31,8 @@ pub struct Sink<'a> {
     pub stats: &'a Stats,
     /// Told the outcome of every settled message (ledgers, tests).
     pub observer: Option<&'a dyn SettleObserver>,
+    /// Where `handler.dedup` records what was handled.
+    pub dedup: Option<&'a dyn crate::dedup::Store>,
 }
 
 impl Sink<'_> {

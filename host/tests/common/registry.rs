@@ -45,7 +45,8 @@ pub fn cluster(url: &str) -> String {
     }
 }
 
-/// A KV bucket of this test (`weir-t-<uuid8>`), deleted on drop. The nodes
+/// A KV bucket of this test (`weir-t-<uuid8>`), deleted on drop with its
+/// `handler.dedup` bucket. The nodes
 /// create it; this reads it with Weir's own reader, as `weir status` does.
 pub struct KvBucket {
     pub bucket: String,
@@ -121,7 +122,10 @@ impl Drop for KvBucket {
         let (urls, bucket) = (self.urls.clone(), self.bucket.clone());
         super::clean_up_on_a_thread(move || async move {
             if let Ok(c) = async_nats::connect(urls.as_slice()).await {
-                let _ = jetstream::new(c).delete_key_value(&bucket).await;
+                let js = jetstream::new(c);
+                let _ = js.delete_key_value(&bucket).await;
+                // handler.dedup's bucket beside it, when a test made one.
+                let _ = js.delete_stream(format!("KV_{bucket}-dedup")).await;
             }
         });
     }
