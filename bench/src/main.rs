@@ -54,7 +54,8 @@
 //! JavaScript instead (see `polyglot.rs`); `weir-bench hostile` a good tenant's
 //! throughput and the RSS next to each hostile guest of issue 15 (`hostile.rs`);
 //! `weir-bench coordination` the PostgreSQL coordinator for many nodes in one
-//! process against a real database (`coordination.rs`, issue 20 item 4).
+//! process against a real database (`coordination.rs`, issue 20 item 4);
+//! `weir-bench dedup` what `handler.dedup` costs per message (`dedup.rs`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -73,6 +74,7 @@ use weir::transport::{TopologySpec, Transport};
 mod anchor;
 mod charts;
 mod coordination;
+mod dedup;
 mod hostile;
 mod instructions;
 mod natsb;
@@ -1275,6 +1277,10 @@ fn main() -> anyhow::Result<()> {
     // `weir-bench coordination ...`: the PostgreSQL coordinator for many nodes (bench/src/coordination.rs).
     if std::env::args().nth(1).as_deref() == Some("coordination") {
         return coordination::main(std::env::args().skip(2));
+    }
+    // `weir-bench dedup ...`: what handler.dedup costs per message (bench/src/dedup.rs).
+    if std::env::args().nth(1).as_deref() == Some("dedup") {
+        return dedup::main(std::env::args().skip(2));
     }
     // `weir-bench hostile ...`: a good tenant next to each hostile guest (bench/src/hostile.rs).
     if std::env::args().nth(1).as_deref() == Some("hostile") {

@@ -348,7 +348,10 @@ async fn open_dedup(config: &Config) -> anyhow::Result<Option<Arc<dyn crate::ded
         ),
     };
     tracing::info!(store = store.what(), window = %humantime::format_duration(longest), "handler.dedup records ready");
-    Ok(Some(store))
+    Ok(Some(Arc::new(crate::dedup::Coalesced::new(
+        store,
+        crate::dedup::PARALLEL,
+    ))))
 }
 
 /// Check every topology's retry schedule against the broker and declare it;

@@ -63,6 +63,147 @@ pub trait Store: Send + Sync {
     async fn record(&self, keys: &[(Key, Duration)]) -> anyhow::Result<()>;
 }
 
+/// Lookups (and, apart, writes) a node has in flight at once: the
+/// PostgreSQL pool's connections are shared by both kinds.
+pub const PARALLEL: usize = 2;
+
+/// Most keys one coalesced lookup or write carries.
+const MOST_KEYS: usize = 4096;
+
+type Reply<T> = tokio::sync::oneshot::Sender<Result<T, String>>;
+
+/// A store whose lookups and writes from every lane of the node are merged:
+/// while `parallel` operations of a kind are in flight, the requests that
+/// arrive wait, and go out together as one operation when one ends (one
+/// query for many jobs on PostgreSQL). Wraps the store a node uses.
+pub struct Coalesced {
+    what: &'static str,
+    seen: tokio::sync::mpsc::UnboundedSender<(Vec<Key>, Reply<Vec<bool>>)>,
+    record: tokio::sync::mpsc::UnboundedSender<(Vec<(Key, Duration)>, Reply<()>)>,
+}
+
+impl Coalesced {
+    /// Merge the operations on `inner`, at most `parallel` of each kind at
+    /// once (its connections). Spawns two tasks on the current runtime; they
+    /// end when this is dropped.
+    pub fn new(inner: std::sync::Arc<dyn Store>, parallel: usize) -> Self {
+        let (seen, seen_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (record, record_rx) = tokio::sync::mpsc::unbounded_channel();
+        let what = inner.what();
+        let lookups = inner.clone();
+        tokio::spawn(merge(seen_rx, parallel, move |keys: Vec<Key>| {
+            let inner = lookups.clone();
+            async move { inner.seen(&keys).await }
+        }));
+        tokio::spawn(merge(record_rx, parallel, move |mut keys: Vec<(Key, Duration)>| {
+            let inner = inner.clone();
+            async move {
+                keys.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+                keys.dedup_by(|a, b| a.0 == b.0);
+                inner.record(&keys).await
+            }
+        }));
+        Self { what, seen, record }
+    }
+}
+
+/// What one merged operation answers each request with.
+trait Split: Sized {
+    fn split(self, sizes: &[usize]) -> Vec<Self>;
+}
+
+impl Split for () {
+    fn split(self, sizes: &[usize]) -> Vec<Self> {
+        vec![(); sizes.len()]
+    }
+}
+
+impl Split for Vec<bool> {
+    fn split(self, sizes: &[usize]) -> Vec<Self> {
+        let mut rest = self.into_iter();
+        sizes.iter().map(|n| rest.by_ref().take(*n).collect()).collect()
+    }
+}
+
+/// Take requests from `rx`; whenever fewer than `parallel` operations run,
+/// send everything waiting as one `op`, and answer each request its part.
+async fn merge<K, T, F, Fut>(mut rx: tokio::sync::mpsc::UnboundedReceiver<(Vec<K>, Reply<T>)>, parallel: usize, op: F)
+where
+    K: Send + 'static,
+    T: Split + Send + 'static,
+    F: Fn(Vec<K>) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
+{
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(parallel.max(1)));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let mut reqs = vec![first];
+        let mut n = reqs[0].0.len();
+        while n < MOST_KEYS {
+            match rx.try_recv() {
+                Ok(r) => {
+                    n += r.0.len();
+                    reqs.push(r);
+                }
+                Err(_) => break,
+            }
+        }
+        let sizes: Vec<usize> = reqs.iter().map(|r| r.0.len()).collect();
+        let mut keys = Vec::with_capacity(n);
+        let mut replies = Vec::with_capacity(reqs.len());
+        for (k, reply) in reqs {
+            keys.extend(k);
+            replies.push(reply);
+        }
+        let fut = op(keys);
+        tokio::spawn(async move {
+            match fut.await {
+                Ok(all) => {
+                    for (part, reply) in all.split(&sizes).into_iter().zip(replies) {
+                        let _ = reply.send(Ok(part));
+                    }
+                }
+                Err(e) => {
+                    let text = format!("{e:#}");
+                    for reply in replies {
+                        let _ = reply.send(Err(text.clone()));
+                    }
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
+#[async_trait]
+impl Store for Coalesced {
+    fn what(&self) -> &'static str {
+        self.what
+    }
+
+    async fn seen(&self, keys: &[Key]) -> anyhow::Result<Vec<bool>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.seen
+            .send((keys.to_vec(), tx))
+            .map_err(|_| anyhow::anyhow!("the dedup lookups have stopped"))?;
+        rx.await
+            .map_err(|_| anyhow::anyhow!("the dedup lookups have stopped"))?
+            .map_err(anyhow::Error::msg)
+    }
+
+    async fn record(&self, keys: &[(Key, Duration)]) -> anyhow::Result<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.record
+            .send((keys.to_vec(), tx))
+            .map_err(|_| anyhow::anyhow!("the dedup writes have stopped"))?;
+        rx.await
+            .map_err(|_| anyhow::anyhow!("the dedup writes have stopped"))?
+            .map_err(anyhow::Error::msg)
+    }
+}
+
 /// [`Store::seen`], bounded by [`STORE_TIMEOUT`].
 pub async fn seen(store: &dyn Store, keys: &[Key]) -> anyhow::Result<Vec<bool>> {
     tokio::time::timeout(STORE_TIMEOUT, store.seen(keys))
@@ -139,6 +280,24 @@ mod tests {
             .await
             .unwrap();
         remembers_within_the_window(&pg::Postgres::new(pool.clone())).await;
+        sqlx::query("DELETE FROM weir_dedup").execute(&pool).await.unwrap();
+        // The same through the merging wrapper a node uses, with many
+        // lookups at once: each gets its own answer.
+        let merged = Coalesced::new(std::sync::Arc::new(pg::Postgres::new(pool.clone())), 1);
+        remembers_within_the_window(&merged).await;
+        let keys: Vec<Key> = (0..64).map(|i| key("t", "many", &i.to_string())).collect();
+        record(
+            &merged,
+            keys.iter()
+                .step_by(2)
+                .map(|k| (k.clone(), Duration::from_secs(60)))
+                .collect(),
+        )
+        .await
+        .unwrap();
+        let answers = futures::future::join_all(keys.chunks(3).map(|c| seen(&merged, c))).await;
+        let flat: Vec<bool> = answers.into_iter().flat_map(Result::unwrap).collect();
+        assert_eq!(flat, (0..64).map(|i| i % 2 == 0).collect::<Vec<_>>());
         pool.close().await;
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             .execute(&mut admin)
