@@ -281,6 +281,9 @@ pub fn bind_handlers(config: &Config) -> anyhow::Result<Router> {
             };
             router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
         }
+        if h.on_failure == crate::config::OnFailure::Park {
+            router.park(&h.topology, h.tenant.as_deref(), &h.message_types, &h.name);
+        }
     }
     Ok(router)
 }
@@ -415,6 +418,7 @@ fn topology_settings(config: &Config, opts: &NodeOptions) -> HashMap<String, Top
                 max_concurrent_groups: t.max_concurrent_groups as usize,
                 max_unordered: t.max_unordered as usize,
                 prefetch: config.transport.prefetch,
+                park_hold: t.park_hold(config.transport.prefetch),
                 max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
                 schedule: t.schedule(config.transport.kind, None),
                 bypass_lanes: opts.bypass_lanes,

@@ -17,17 +17,21 @@ pub enum Reason {
     Timeout,
     /// The last delivery trapped.
     Trap,
+    /// Its group was parked (`on_failure = "park"`) and held as many
+    /// messages as `topology.park_hold` allows.
+    ParkOverflow,
 }
 
 impl Reason {
     /// Every reason, in a fixed order.
-    pub const ALL: [Reason; 6] = [
+    pub const ALL: [Reason; 7] = [
         Reason::Rejected,
         Reason::Exhausted,
         Reason::Undecodable,
         Reason::NoHandler,
         Reason::Timeout,
         Reason::Trap,
+        Reason::ParkOverflow,
     ];
 
     /// The header value.
@@ -39,6 +43,7 @@ impl Reason {
             Reason::NoHandler => "no-handler",
             Reason::Timeout => "timeout",
             Reason::Trap => "trap",
+            Reason::ParkOverflow => "park-overflow",
         }
     }
 }

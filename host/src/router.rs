@@ -47,6 +47,8 @@ pub struct BatchRule {
 struct Binding {
     handler: String,
     batch: Option<Arc<BatchRule>>,
+    /// `on_failure = "park"`.
+    park: bool,
 }
 
 impl Binding {
@@ -54,6 +56,7 @@ impl Binding {
         Self {
             handler: handler.to_owned(),
             batch: None,
+            park: false,
         }
     }
 }
@@ -178,6 +181,32 @@ impl Router {
     /// The handler for a message, or `None` (dead-letter `no-handler`).
     pub fn route(&self, topology: &str, env: &Envelope) -> Option<Arc<HandlerVersion>> {
         self.version(self.handler_name(topology, env)?)
+    }
+
+    /// Park the group of a failed message (`on_failure = "park"`) for the
+    /// already bound `message_types` of `topology` (for `tenant`, or any
+    /// tenant) that go to `handler`; returns how many.
+    pub fn park(&mut self, topology: &str, tenant: Option<&str>, message_types: &[String], handler: &str) -> usize {
+        let mut n = 0;
+        for t in message_types {
+            let Some(by_tenant) = self.bindings.get_mut(topology).and_then(|m| m.get_mut(t.as_str())) else {
+                continue;
+            };
+            let binding = match tenant {
+                Some(x) => by_tenant.tenants.get_mut(x),
+                None => by_tenant.any.as_mut(),
+            };
+            if let Some(b) = binding.filter(|b| b.handler == handler) {
+                b.park = true;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Whether a failed message parks its group (`on_failure = "park"`).
+    pub fn parks(&self, topology: &str, env: &Envelope) -> bool {
+        self.binding(topology, env).is_some_and(|b| b.park)
     }
 
     /// The name of the handler bound for a message.

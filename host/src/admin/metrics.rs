@@ -333,13 +333,22 @@ impl Collector for Scrape {
                 "Lanes (groups) of a slot with a call running or queued for a worker.",
                 1,
             ),
+            (
+                "parked_groups",
+                "Groups of a slot parked behind a failed message (on_failure = \"park\").",
+                2,
+            ),
         ] {
             let probe = ConstGauge::new(0i64);
             let mut m = encoder.encode_descriptor(name, help, None, probe.metric_type())?;
             for ((topology, slot), counters) in self.stats.slots() {
                 let slot = slot.to_string();
                 let (queued, running) = counters.depth();
-                let v = if pick == 0 { queued } else { running };
+                let v = match pick {
+                    0 => queued,
+                    1 => running,
+                    _ => counters.parked(),
+                };
                 let labels = [("topology", &*topology), ("slot", slot.as_str())];
                 ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
             }

@@ -126,6 +126,7 @@ impl SlotSet {
             max_concurrent_groups: 1,
             max_unordered: 1,
             prefetch: 1,
+            park_hold: 1,
             max_run: 1,
             schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
             bypass_lanes: false,

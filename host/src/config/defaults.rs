@@ -156,5 +156,8 @@ pub(super) fn service_name() -> String {
     "weir".to_owned()
 }
 
+/// `topology.park_hold` when not set.
+pub const PARK_HOLD: u32 = 64;
+
 /// Longest `handler.dedup.window`: a week of records.
 pub const DEDUP_WINDOW_MAX: Duration = Duration::from_secs(7 * 24 * 3600);

@@ -46,6 +46,22 @@ pub struct Handler {
     /// its success (its ack lost to a crash) is acked without a call.
     #[serde(default)]
     pub dedup: Option<Dedup>,
+    /// What a `retry` (or a retried fault) of a grouped message does to the
+    /// rest of its group: `continue` (they run on) or `park` (they wait, in
+    /// order, until it succeeds or is dead-lettered).
+    #[serde(default)]
+    pub on_failure: OnFailure,
+}
+
+/// `handler.on_failure`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// The failed message goes to the ladder; its group runs on.
+    #[default]
+    Continue,
+    /// The failed message's group waits for it (see the README).
+    Park,
 }
 
 impl Handler {
@@ -68,6 +84,7 @@ impl Handler {
             instance_mode: InstanceMode::default(),
             wasi: Wasi::default(),
             dedup: None,
+            on_failure: OnFailure::Continue,
         }
     }
 }

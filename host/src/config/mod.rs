@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use handler::{Batch, Dedup, Handler, InstanceMode, Limits, Preopen, Wasi};
+pub use handler::{Batch, Dedup, Handler, InstanceMode, Limits, OnFailure, Preopen, Wasi};
 pub use load::{ConfigError, load, parse};
 pub(crate) use tenant::is_within;
 pub use tenant::{Tenant, TenantAllow, TenantBudgets, TenantLimits};
@@ -526,6 +526,12 @@ pub struct Topology {
     /// Retry policy; absent: the default ladder, which no check rejects.
     #[serde(default)]
     pub retry: Option<RetrySection>,
+    /// Most messages one parked group (`on_failure = "park"`) may hold in a
+    /// slot while its head waits on the ladder; absent: 64, and never more
+    /// than half of `transport.prefetch`. Beyond it the group's newer
+    /// messages are dead-lettered `park-overflow`.
+    #[serde(default)]
+    pub park_hold: Option<u32>,
 }
 
 impl Topology {
@@ -537,7 +543,15 @@ impl Topology {
             max_concurrent_groups: defaults::MAX_CONCURRENT_GROUPS,
             max_unordered: defaults::MAX_UNORDERED,
             retry: None,
+            park_hold: None,
         }
+    }
+
+    /// Most messages a parked group may hold in one slot of this topology
+    /// with `prefetch` (see [`Topology::park_hold`]).
+    pub fn park_hold(&self, prefetch: u32) -> usize {
+        let cap = if prefetch == 0 { u32::MAX } else { (prefetch / 2).max(1) };
+        self.park_hold.unwrap_or(defaults::PARK_HOLD).min(cap) as usize
     }
 
     /// The effective retry policy: the section over [`RetryPolicy::default`].

@@ -1012,3 +1012,29 @@ fn dedup_needs_a_coordinator_store_and_a_sane_window() {
         "an unknown key in dedup is named"
     );
 }
+
+#[test]
+fn park_is_for_single_messages_and_its_hold_leaves_room_in_the_window() {
+    let c = parse(&base("on_failure = \"park\"\n"), "weir.toml").unwrap();
+    assert_eq!(c.handler[0].on_failure, OnFailure::Park);
+    assert_eq!(
+        parse(&base(""), "weir.toml").unwrap().handler[0].on_failure,
+        OnFailure::Continue
+    );
+    // The default hold, capped at half the window.
+    assert_eq!(c.topology[0].park_hold(256), 64);
+    assert_eq!(c.topology[0].park_hold(16), 8);
+    assert_one(
+        &base("on_failure = \"park\"\nbatch = { message_types = [\"b\"] }\n"),
+        "handler[0].on_failure",
+        "a batch fails or succeeds per member",
+    );
+    assert_one(
+        &base("")
+            .replace("slots = 4\n", "slots = 4\npark_hold = 200\n")
+            .replacen("[[topology]]", "[transport]\nprefetch = 256\n[[topology]]", 1),
+        "topology[0].park_hold",
+        "accepted: 1 to 128",
+    );
+    assert!(syntax(&base("on_failure = \"stop\"\n")).contains("on_failure"));
+}

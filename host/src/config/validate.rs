@@ -360,6 +360,20 @@ impl Config {
             if t.slots == 0 {
                 errors.add(format!("{key}.slots"), "is 0; accepted: 1 or more");
             }
+            let prefetch = self.transport.prefetch;
+            if let Some(hold) = t.park_hold
+                && (hold == 0 || (prefetch > 0 && hold > prefetch / 2))
+            {
+                errors.add(
+                    format!("{key}.park_hold"),
+                    format!(
+                        "is {hold}; a parked group's held messages count against the slot's window \
+                         (transport.prefetch = {prefetch}), and the failed head and the other groups need \
+                         room in it; accepted: 1 to {}",
+                        if prefetch > 0 { (prefetch / 2).max(1) } else { u32::MAX }
+                    ),
+                );
+            }
             if t.max_concurrent_groups == 0 {
                 errors.add(
                     format!("{key}.max_concurrent_groups"),
@@ -590,6 +604,13 @@ impl Config {
                         "{:?} is not a [[topology]] name; accepted: one of {known:?}",
                         h.topology
                     ),
+                );
+            }
+            if h.on_failure == super::OnFailure::Park && h.batch.is_some() {
+                errors.add(
+                    format!("{key}.on_failure"),
+                    "\"park\" holds a group behind one failed message, and a batch fails or succeeds per member \
+                     inside one call; accepted: \"continue\" with batch, or park a handler without batch",
                 );
             }
             if let Some(d) = &h.dedup {

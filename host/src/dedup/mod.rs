@@ -71,6 +71,8 @@ pub const PARALLEL: usize = 2;
 const MOST_KEYS: usize = 4096;
 
 type Reply<T> = tokio::sync::oneshot::Sender<Result<T, String>>;
+/// A request to the merging task: its keys, and where its answer goes.
+type Request<K, T> = (Vec<K>, Reply<T>);
 
 /// A store whose lookups and writes from every lane of the node are merged:
 /// while `parallel` operations of a kind are in flight, the requests that
@@ -78,8 +80,8 @@ type Reply<T> = tokio::sync::oneshot::Sender<Result<T, String>>;
 /// query for many jobs on PostgreSQL). Wraps the store a node uses.
 pub struct Coalesced {
     what: &'static str,
-    seen: tokio::sync::mpsc::UnboundedSender<(Vec<Key>, Reply<Vec<bool>>)>,
-    record: tokio::sync::mpsc::UnboundedSender<(Vec<(Key, Duration)>, Reply<()>)>,
+    seen: tokio::sync::mpsc::UnboundedSender<Request<Key, Vec<bool>>>,
+    record: tokio::sync::mpsc::UnboundedSender<Request<(Key, Duration), ()>>,
 }
 
 impl Coalesced {

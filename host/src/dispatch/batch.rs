@@ -104,6 +104,7 @@ mod tests {
             },
             at,
             batch: rule.cloned(),
+            park: false,
         }
     }
 

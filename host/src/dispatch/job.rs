@@ -21,6 +21,7 @@ use crate::settle::cascades::publish_cascades;
 use crate::settle::decide::settle_all;
 use crate::transport::{Delivery, Disposition};
 
+use super::lane::lane_key;
 use super::{Pipeline, SlotSettings};
 
 /// On a broker that counts deliveries itself (JetStream), a delivery past
@@ -251,23 +252,43 @@ async fn call_each(
     }
 }
 
-/// Run one lane's messages (in order, on one worker) and settle each.
-pub(super) async fn run_lane(p: Arc<Pipeline>, s: Arc<SlotSettings>, cancel: Arc<Interrupt>, run: Vec<Delivery>) {
+/// Groups a job parked: (lane key, the failed head's message id).
+pub type Parks = Vec<(u64, String)>;
+
+/// Run one lane's messages (in order, on one worker) and settle each;
+/// returns the groups to park (`on_failure = "park"`): those whose message
+/// went to the retry ladder.
+pub(super) async fn run_lane(
+    p: Arc<Pipeline>,
+    s: Arc<SlotSettings>,
+    cancel: Arc<Interrupt>,
+    run: Vec<Delivery>,
+) -> Parks {
     let (envs, pending) = admit_all(&p, &s, run).await;
     let (envs, pending) = skip_handled(&p, &s, &cancel, envs, pending).await;
     if envs.is_empty() {
-        return;
+        return Parks::new();
     }
     if let Some(i) = &s.inject_panic {
         i.fire(&envs);
     }
+    let parkable: Vec<(String, u64)> = envs
+        .iter()
+        .filter(|e| p.router.parks(&s.topology, e))
+        .filter_map(|e| Some((e.id.clone(), lane_key(e.tenant_id.as_deref(), e.group()?))))
+        .collect();
     let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
     let permits = admission(pending.iter().map(|x| &x.handler)).await;
     let Some(outcomes) = call_each(&p, items, cancel).await else {
-        return;
+        return Parks::new();
     };
     drop(permits);
-    settle_all(&p.slot(&s), outcomes, pending).await;
+    let retried = settle_all(&p.slot(&s), outcomes, pending).await;
+    parkable
+        .into_iter()
+        .filter(|(id, _)| retried.contains(id))
+        .map(|(id, key)| (key, id))
+        .collect()
 }
 
 /// Run batches (each of one tenant, group and handler, in order) through

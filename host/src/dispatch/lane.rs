@@ -19,6 +19,10 @@ pub struct Queued {
     pub at: Instant,
     /// How it is batched, if it is.
     pub batch: Option<Arc<BatchRule>>,
+    /// Its binding parks the group when it fails (`on_failure = "park"`):
+    /// it runs alone in its job, so nothing of its group runs after it
+    /// before its outcome is known.
+    pub park: bool,
 }
 
 impl Queued {
@@ -39,12 +43,37 @@ pub struct Lane {
     /// Ungrouped batched messages of one (tenant, handler): no order to keep,
     /// so several of its batches may run at once.
     pub loose: bool,
+    /// The group is parked behind this failed message (`on_failure = "park"`).
+    pub parked: Option<Parked>,
+}
+
+/// A parked group: its head failed and waits on the retry ladder; the rest
+/// of the group waits in the lane, in order.
+#[derive(Debug, Clone)]
+pub struct Parked {
+    /// The head's message id.
+    pub id: String,
+    /// Since when the group is parked (its head's first failure).
+    pub since: Instant,
+    /// The head's attempts that failed so far while parked here.
+    pub failures: u32,
+    /// The head came back from the ladder and is at the front of the queue
+    /// (or running): the lane may run it, and only it.
+    pub head_back: bool,
 }
 
 impl Lane {
     /// May the scheduler take another job from this lane now?
     pub fn can_start(&self) -> bool {
-        !self.queue.is_empty() && (self.running == 0 || self.loose) && self.lingering.is_none()
+        !self.queue.is_empty()
+            && (self.running == 0 || self.loose)
+            && self.lingering.is_none()
+            && self.parked.as_ref().is_none_or(|p| p.head_back)
+    }
+
+    /// Parked with its head away on the ladder.
+    pub fn waiting(&self) -> bool {
+        self.parked.as_ref().is_some_and(|p| !p.head_back)
     }
 }
 

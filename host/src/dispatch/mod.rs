@@ -100,6 +100,8 @@ pub struct TopologySettings {
     pub max_unordered: usize,
     /// Unsettled deliveries the broker may hand this runner.
     pub prefetch: u32,
+    /// Most messages a parked group may hold (`topology.park_hold`).
+    pub park_hold: usize,
     /// Messages of one lane handed to a worker in one job (they still run
     /// one after another).
     pub max_run: usize,

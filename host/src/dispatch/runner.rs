@@ -12,14 +12,14 @@ use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
 
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, Reason};
 use crate::runtime::Interrupt;
-use crate::settle::capture::capture_undecodable;
+use crate::settle::capture::{capture_envelope, capture_undecodable};
 use crate::transport::{Delivery, Disposition};
 
 use super::batch::{Take, take_batch};
-use super::job::{run_batches, run_lane};
-use super::lane::{BYPASS_SALT, Lane, LaneMap, Queued, lane_key, loose_key, take_queue};
+use super::job::{Parks, run_batches, run_lane};
+use super::lane::{BYPASS_SALT, Lane, LaneMap, Parked, Queued, lane_key, loose_key, take_queue};
 use super::{LaneKind, Pipeline, RunnerReport, SlotSettings, panic_text};
 
 enum Done {
@@ -63,8 +63,11 @@ pub struct SlotRunner {
     running_groups: usize,
     unordered: VecDeque<Delivery>,
     running_unordered: usize,
-    /// Each job in flight, with how many deliveries it holds.
-    inflight: FuturesUnordered<BoxFuture<'static, (Done, usize)>>,
+    /// Each job in flight, with how many deliveries it holds, and the
+    /// groups it parked.
+    inflight: FuturesUnordered<BoxFuture<'static, (Done, usize, Parks)>>,
+    /// Lanes with a parked group.
+    parked: usize,
     /// Deliveries held by the jobs in flight (until they are settled).
     in_jobs: usize,
     report: RunnerReport,
@@ -87,6 +90,7 @@ impl SlotRunner {
             unordered: VecDeque::new(),
             running_unordered: 0,
             inflight: FuturesUnordered::new(),
+            parked: 0,
             in_jobs: 0,
             report: RunnerReport::default(),
             poisoned: None,
@@ -160,9 +164,11 @@ impl SlotRunner {
                 self.schedule();
                 s.counters
                     .set_depth(self.queued + self.unordered.len(), self.running_groups);
+                s.counters.set_parked(self.parked);
             }
         }
         s.counters.set_depth(0, 0);
+        s.counters.set_parked(0);
         self.drain(sub.as_mut()).await;
         sub.close().await;
         drop(sub);
@@ -240,18 +246,22 @@ impl SlotRunner {
     }
 
     fn accept(&mut self, d: Delivery) {
+        let park;
         let key = match &d.message {
             Err(_) => {
                 let (p, s) = (self.p.clone(), self.s.clone());
-                self.job(
-                    Done::Capture,
-                    1,
-                    async move { capture_undecodable(&p.slot(&s), d).await },
-                );
+                self.job(Done::Capture, 1, async move {
+                    capture_undecodable(&p.slot(&s), d).await;
+                    Parks::new()
+                });
                 return;
             }
             Ok(env) => {
                 let batch = self.p.router.batch_rule(&self.s.topology, env).cloned();
+                park = batch.is_none()
+                    && env.group().is_some()
+                    && !self.s.bypass_lanes
+                    && self.p.router.parks(&self.s.topology, env);
                 match (env.group().filter(|_| !self.s.bypass_lanes), batch) {
                     (Some(g), batch) => {
                         let salt = if batch.is_some() && self.s.bypass_batch_lanes {
@@ -277,11 +287,26 @@ impl SlotRunner {
         // Keys of a group and of loose batches could collide: the lane then
         // keeps order (slower, never unsafe).
         lane.loose &= loose;
-        lane.queue.push_back(Queued {
+        let queued = Queued {
             d,
             at: Instant::now(),
             batch,
-        });
+            park,
+        };
+        match lane.parked.as_mut() {
+            // The parked head is back from the ladder: it runs first.
+            Some(p) if !p.head_back && queued.env().is_some_and(|e| e.id == p.id) => {
+                p.head_back = true;
+                lane.queue.push_front(queued);
+            }
+            // A parked group holds what it may; the rest is dead-lettered.
+            Some(p) if lane.queue.len() >= self.s.park_hold => {
+                let head = p.id.clone();
+                self.overflow(queued.d, &head);
+                return;
+            }
+            _ => lane.queue.push_back(queued),
+        }
         self.queued += 1;
         // A lingering batch may be complete now: look again.
         lane.lingering = None;
@@ -323,7 +348,7 @@ impl SlotRunner {
         self.running_groups -= 1;
         let Some(lane) = self.lanes.get_mut(&key) else { return };
         lane.running -= 1;
-        if lane.queue.is_empty() && lane.running == 0 {
+        if lane.queue.is_empty() && lane.running == 0 && lane.parked.is_none() {
             self.lanes.remove(&key);
         } else if lane.can_start() && !lane.ready {
             lane.ready = true;
@@ -338,20 +363,111 @@ impl SlotRunner {
     /// answers 503), and the runner stops taking deliveries, drains what
     /// else runs and returns an error, so its supervisor restarts it.
     /// `held`: how many deliveries the job holds until it has settled them.
-    fn job(&mut self, done: Done, held: usize, work: impl std::future::Future<Output = ()> + Send + 'static) {
+    fn job(&mut self, done: Done, held: usize, work: impl std::future::Future<Output = Parks> + Send + 'static) {
         self.in_jobs += held;
         self.inflight.push(Box::pin(async move {
-            let done = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
-                Ok(()) => done,
-                Err(panic) => Done::Panicked(Box::new(done), panic_text(panic.as_ref())),
-            };
-            (done, held)
+            match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+                Ok(parks) => (done, held, parks),
+                Err(panic) => (
+                    Done::Panicked(Box::new(done), panic_text(panic.as_ref())),
+                    held,
+                    Parks::new(),
+                ),
+            }
         }));
     }
 
-    fn finish(&mut self, (done, held): (Done, usize)) {
+    fn finish(&mut self, (done, held, parks): (Done, usize, Parks)) {
         self.in_jobs -= held;
+        if let Done::Groups(keys) = &done {
+            self.park(keys, parks);
+        }
         self.done(done);
+    }
+
+    /// After a job of lanes `keys`: park the groups whose head went to the
+    /// ladder (`parks`), and release those whose head came back and ended
+    /// any other way (handled, dead-lettered).
+    fn park(&mut self, keys: &[u64], parks: Parks) {
+        let s = self.s.clone();
+        for (key, id) in &parks {
+            let Some(lane) = self.lanes.get_mut(key) else { continue };
+            let failures = match lane.parked.as_mut() {
+                Some(p) if p.id == *id => {
+                    p.head_back = false;
+                    p.failures += 1;
+                    p.failures
+                }
+                _ => {
+                    self.parked += usize::from(lane.parked.is_none());
+                    lane.parked = Some(Parked {
+                        id: id.clone(),
+                        since: Instant::now(),
+                        failures: 1,
+                        head_back: false,
+                    });
+                    1
+                }
+            };
+            // A ladder that retries at once may have brought it back already.
+            if let Some(i) = lane.queue.iter().position(|q| q.env().is_some_and(|e| e.id == *id)) {
+                if let Some(q) = lane.queue.remove(i) {
+                    lane.queue.push_front(q);
+                }
+                if let Some(p) = lane.parked.as_mut() {
+                    p.head_back = true;
+                }
+            }
+            tracing::info!(
+                topology = %s.topology, slot = s.slot, message_id = %id, failures, held = lane.queue.len(),
+                "group parked behind a failed message (on_failure = \"park\"); its later messages wait"
+            );
+        }
+        for key in keys {
+            if parks.iter().any(|(k, _)| k == key) {
+                continue;
+            }
+            let Some(lane) = self.lanes.get_mut(key) else { continue };
+            if let Some(p) = lane.parked.take_if(|p| p.head_back) {
+                self.parked -= 1;
+                tracing::info!(
+                    topology = %s.topology, slot = s.slot, message_id = %p.id, failures = p.failures,
+                    parked_for = ?p.since.elapsed(), held = lane.queue.len(),
+                    "parked group released: its head ended (handled or dead-lettered)"
+                );
+            }
+        }
+    }
+
+    /// A message of a parked group that already holds `park_hold`: captured
+    /// as `park-overflow` (the window must keep room for the head and the
+    /// other groups).
+    fn overflow(&mut self, d: Delivery, head: &str) {
+        let (p, s) = (self.p.clone(), self.s.clone());
+        let error = format!(
+            "its group is parked behind message {head}, which waits on the retry ladder, and already holds \
+             {} messages (topology.park_hold)",
+            s.park_hold
+        );
+        self.job(Done::Capture, 1, async move {
+            let cx = p.slot(&s);
+            let Delivery {
+                message,
+                source,
+                tag,
+                acker,
+            } = d;
+            if let Ok(env) = message {
+                tracing::warn!(
+                    topology = %s.topology, slot = s.slot, message_id = %env.id, group = env.group().unwrap_or(""),
+                    "{error}: dead-lettered park-overflow"
+                );
+                let outcome =
+                    capture_envelope(&cx, &env, acker, Reason::ParkOverflow, &error, &source, None, tag).await;
+                cx.record(None, &env.id, outcome);
+            }
+            Parks::new()
+        });
     }
 
     fn done(&mut self, done: Done) {
@@ -444,13 +560,17 @@ impl SlotRunner {
                     }
                     continue;
                 }
-                // Single messages up to the next batched one.
-                let n = lane
-                    .queue
-                    .iter()
-                    .take(target - run.len() - members)
-                    .take_while(|q| q.batch.is_none())
-                    .count();
+                // Single messages up to the next batched one; a message
+                // that parks its group on failure runs alone.
+                let n = if lane.queue.front().is_some_and(|q| q.park) {
+                    1
+                } else {
+                    lane.queue
+                        .iter()
+                        .take(target - run.len() - members)
+                        .take_while(|q| q.batch.is_none() && !q.park)
+                        .count()
+                };
                 run.extend(lane.queue.drain(..n).map(|q| q.d));
                 self.queued -= n;
                 lane.running += 1;
@@ -459,7 +579,10 @@ impl SlotRunner {
             }
             if !batches.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                self.job(Done::Batches(batch_keys), members, run_batches(p, s, c, batches));
+                self.job(Done::Batches(batch_keys), members, async move {
+                    run_batches(p, s, c, batches).await;
+                    Parks::new()
+                });
             }
             if !keys.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());

@@ -21,6 +21,8 @@ pub struct OutcomeCounters {
     queued: AtomicU64,
     /// Lanes (groups) with a call running or handed to a worker.
     running: AtomicU64,
+    /// Groups parked behind a failed message (`on_failure = "park"`).
+    parked: AtomicU64,
 }
 
 /// The outcome labels, in counter order.
@@ -58,6 +60,16 @@ impl OutcomeCounters {
     pub fn set_depth(&self, queued: usize, running: usize) {
         self.queued.store(queued as u64, Ordering::Relaxed);
         self.running.store(running as u64, Ordering::Relaxed);
+    }
+
+    /// Groups parked in the slot now.
+    pub fn set_parked(&self, parked: usize) {
+        self.parked.store(parked as u64, Ordering::Relaxed);
+    }
+
+    /// Groups parked in the slot at the last look.
+    pub fn parked(&self) -> u64 {
+        self.parked.load(Ordering::Relaxed)
     }
 
     /// (deliveries waiting in lanes, lanes running).

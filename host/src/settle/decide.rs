@@ -16,8 +16,10 @@ use crate::runtime::{CallOutcome, FaultKind};
 use crate::transport::Disposition;
 
 /// Settle every message of a call by its outcome (the one path single
-/// messages and batch members share).
-pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, pending: Vec<Pending>) {
+/// messages and batch members share); returns the ids of those that went
+/// back to the ladder or the queue (retried, or requeued), which is what
+/// parks a group (`on_failure = "park"`).
+pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, pending: Vec<Pending>) -> Vec<String> {
     // The common case, handled with nothing to publish, only needs its ack:
     // settle those in order right here. Everything else (cascades to
     // confirm, retries, captures) may wait on the broker, so those settle
@@ -59,20 +61,22 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
             }
             outcome => {
                 slow.push(Box::pin(async move {
-                    let id = cx.sink.observer.map(|_| env.id.clone());
+                    let id = env.id.clone();
                     let handler = pend.handler.clone();
                     let o = settle(cx, env, outcome, pend).await;
-                    cx.record(Some(&handler), id.as_deref().unwrap_or_default(), o);
+                    cx.record(Some(&handler), &id, o);
                     if let Some((t, started)) = trace {
                         t.settled(o, started);
                     }
+                    matches!(o, Outcome::RetryScheduled | Outcome::Requeued).then_some(id)
                 }));
             }
         }
     }
-    if !slow.is_empty() {
-        futures::future::join_all(slow).await;
+    if slow.is_empty() {
+        return Vec::new();
     }
+    futures::future::join_all(slow).await.into_iter().flatten().collect()
 }
 
 /// Record `keys` as handled (`handler.dedup`), before their acks. A write

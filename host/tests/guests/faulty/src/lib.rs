@@ -47,6 +47,22 @@ impl Handler for Faulty {
             }
             "reject" => Err(Failure::reject("rejected by test")),
             "retry" => Err(Failure::retry("retry by test")),
+            // Fails with `retry` while the attempt is at most the payload's number.
+            "flaky" => {
+                let text = msg.text()?;
+                let failing: u32 = text
+                    .trim()
+                    .parse()
+                    .map_err(|e| Failure::reject(format!("flaky: payload {text:?} is not a number: {e}")))?;
+                if msg.attempt() <= failing {
+                    Err(Failure::retry(format!(
+                        "flaky: attempt {} of the first {failing} fails",
+                        msg.attempt()
+                    )))
+                } else {
+                    Ok(())
+                }
+            }
             "publish" => weir_guest::publish("ok", msg.group_id(), &[], msg.payload()),
             "publish-then-trap" => {
                 weir_guest::publish("ok", msg.group_id(), &[], msg.payload())?;
