@@ -52,6 +52,9 @@ pub mod settle;
 /// `handler.dedup`: records of handled messages in the coordinator's store.
 pub mod dedup;
 
+/// `on_failure = "park"`: parked groups kept for the next owner of their slot.
+pub mod parked;
+
 /// The retry ladder (pure arithmetic).
 pub mod retry;
 

@@ -357,6 +357,46 @@ async fn open_dedup(config: &Config) -> anyhow::Result<Option<Arc<dyn crate::ded
     ))))
 }
 
+/// Where parked groups are kept for the next owner of their slot, when a
+/// handler parks and the cluster mode has a store.
+async fn open_parked(
+    config: &Config,
+    database: Option<&PgPool>,
+) -> anyhow::Result<Option<Arc<dyn crate::parked::Store>>> {
+    if !config
+        .handler
+        .iter()
+        .any(|h| h.on_failure == crate::config::OnFailure::Park)
+    {
+        return Ok(None);
+    }
+    let store: Arc<dyn crate::parked::Store> = match (config.cluster.mode, database) {
+        (ClusterMode::Postgres, Some(pool)) => Arc::new(crate::parked::pg::Postgres::new(pool.clone())),
+        (ClusterMode::NatsKv, _) => {
+            let client =
+                crate::transport::nats::connect(&config.transport.urls(), &format!("weir {} parked", config.node.name))
+                    .await?;
+            let name = crate::parked::kv::bucket_name(config.cluster.bucket());
+            Arc::new(
+                crate::parked::kv::Bucket::open(
+                    &async_nats::jetstream::new(client),
+                    &name,
+                    config.transport.replicas(),
+                )
+                .await?,
+            )
+        }
+        _ => {
+            tracing::info!(
+                mode = config.cluster.mode.as_str(),
+                "on_failure = \"park\": this cluster mode has no shared store, so a parked group lives as long as its node"
+            );
+            return Ok(None);
+        }
+    };
+    Ok(Some(store))
+}
+
 /// Check every topology's retry schedule against the broker and declare it;
 /// the slot count of each, by name.
 async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
@@ -495,6 +535,7 @@ impl Node {
             stats: Arc::new(Stats::default()),
             observer: opts.settle_observer.clone(),
             dedup: open_dedup(config).await?,
+            parked: open_parked(config, database.as_ref()).await?,
         });
         let coordinator = cluster::coordinator(config, database, bucket)?;
         let (stop, stop_rx) = watch::channel(false);

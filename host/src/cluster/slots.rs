@@ -119,6 +119,7 @@ impl SlotSet {
             stats: Arc::default(),
             observer: None,
             dedup: None,
+            parked: None,
         });
         let settings = TopologySettings {
             topology: Arc::from(topology),

@@ -40,50 +40,62 @@ impl Bucket {
     /// Open (or create) bucket `name` with `replicas`, keeping records up to
     /// `longest` (a bucket that keeps them for less is raised to it).
     pub async fn open(js: &jetstream::Context, name: &str, replicas: usize, longest: Duration) -> anyhow::Result<Self> {
-        let stream = format!("KV_{name}");
-        match js.get_stream(&stream).await {
-            Ok(mut s) => {
-                let info = s.info().await.with_context(|| format!("reading stream {stream}"))?;
-                if info.config.max_age < longest {
-                    let mut config = info.config.clone();
-                    config.max_age = longest;
-                    js.update_stream(config)
-                        .await
-                        .with_context(|| format!("raising the max_age of {stream} to the longest dedup window"))?;
-                }
-            }
-            Err(_) => {
-                // Made with the plain stream API, as the coordination bucket
-                // is (async-nats cannot parse nats-server 2.9's answer to its
-                // own bucket creation); two nodes at once: one wins.
-                let made = js
-                    .create_stream(jetstream::stream::Config {
-                        name: stream.clone(),
-                        description: Some("weir: handled messages (handler.dedup)".into()),
-                        subjects: vec![format!("$KV.{name}.>")],
-                        max_messages_per_subject: 1,
-                        max_age: longest,
-                        storage: jetstream::stream::StorageType::File,
-                        discard: jetstream::stream::DiscardPolicy::New,
-                        allow_rollup: true,
-                        allow_direct: true,
-                        num_replicas: replicas,
-                        ..Default::default()
-                    })
-                    .await;
-                if let Err(e) = made
-                    && js.get_stream(&stream).await.is_err()
-                {
-                    return Err(anyhow::Error::new(e).context(format!("creating the dedup bucket `{name}`")));
-                }
-            }
-        }
-        let kv = js
-            .get_key_value(name)
-            .await
-            .with_context(|| format!("opening the dedup bucket `{name}`"))?;
+        let kv = side_bucket(js, name, replicas, longest, "weir: handled messages (handler.dedup)").await?;
         Ok(Self { kv })
     }
+}
+
+/// Open (or create) bucket `name` beside the coordination bucket, with
+/// `replicas`, keeping each key `max_age` (zero: for ever; a bucket that
+/// keeps them for less is raised to it). Made with the plain stream API,
+/// as the coordination bucket is (async-nats cannot parse nats-server
+/// 2.9's answer to its own bucket creation); two nodes at once: one wins.
+pub async fn side_bucket(
+    js: &jetstream::Context,
+    name: &str,
+    replicas: usize,
+    max_age: Duration,
+    description: &str,
+) -> anyhow::Result<kv::Store> {
+    let stream = format!("KV_{name}");
+    match js.get_stream(&stream).await {
+        Ok(mut s) => {
+            let info = s.info().await.with_context(|| format!("reading stream {stream}"))?;
+            let keeps = info.config.max_age;
+            if !keeps.is_zero() && (max_age.is_zero() || keeps < max_age) {
+                let mut config = info.config.clone();
+                config.max_age = max_age;
+                js.update_stream(config)
+                    .await
+                    .with_context(|| format!("raising the max_age of {stream}"))?;
+            }
+        }
+        Err(_) => {
+            let made = js
+                .create_stream(jetstream::stream::Config {
+                    name: stream.clone(),
+                    description: Some(description.into()),
+                    subjects: vec![format!("$KV.{name}.>")],
+                    max_messages_per_subject: 1,
+                    max_age,
+                    storage: jetstream::stream::StorageType::File,
+                    discard: jetstream::stream::DiscardPolicy::New,
+                    allow_rollup: true,
+                    allow_direct: true,
+                    num_replicas: replicas,
+                    ..Default::default()
+                })
+                .await;
+            if let Err(e) = made
+                && js.get_stream(&stream).await.is_err()
+            {
+                return Err(anyhow::Error::new(e).context(format!("creating the bucket `{name}`")));
+            }
+        }
+    }
+    js.get_key_value(name)
+        .await
+        .with_context(|| format!("opening the bucket `{name}`"))
 }
 
 #[async_trait]

@@ -257,12 +257,15 @@ pub type Parks = Vec<(u64, String)>;
 
 /// Run one lane's messages (in order, on one worker) and settle each;
 /// returns the groups to park (`on_failure = "park"`): those whose message
-/// went to the retry ladder.
+/// went to the retry ladder. `returning`: parked heads back from the ladder
+/// in this run. Parks and releases are written to the store (when there is
+/// one) before this returns, so the slot's next owner finds them.
 pub(super) async fn run_lane(
     p: Arc<Pipeline>,
     s: Arc<SlotSettings>,
     cancel: Arc<Interrupt>,
     run: Vec<Delivery>,
+    returning: Vec<String>,
 ) -> Parks {
     let (envs, pending) = admit_all(&p, &s, run).await;
     let (envs, pending) = skip_handled(&p, &s, &cancel, envs, pending).await;
@@ -272,10 +275,20 @@ pub(super) async fn run_lane(
     if let Some(i) = &s.inject_panic {
         i.fire(&envs);
     }
-    let parkable: Vec<(String, u64)> = envs
+    let parkable: Vec<(u64, crate::parked::Record)> = envs
         .iter()
         .filter(|e| p.router.parks(&s.topology, e))
-        .filter_map(|e| Some((e.id.clone(), lane_key(e.tenant_id.as_deref(), e.group()?))))
+        .filter_map(|e| {
+            let group = e.group()?;
+            let record = crate::parked::Record {
+                topology: s.topology.to_string(),
+                slot: s.slot,
+                tenant: e.tenant_id.clone().unwrap_or_default(),
+                group: group.to_owned(),
+                head: e.id.clone(),
+            };
+            Some((lane_key(e.tenant_id.as_deref(), group), record))
+        })
         .collect();
     let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
     let permits = admission(pending.iter().map(|x| &x.handler)).await;
@@ -283,12 +296,36 @@ pub(super) async fn run_lane(
         return Parks::new();
     };
     drop(permits);
-    let retried = settle_all(&p.slot(&s), outcomes, pending).await;
-    parkable
-        .into_iter()
-        .filter(|(id, _)| retried.contains(id))
-        .map(|(id, key)| (key, id))
-        .collect()
+    let unusual = settle_all(&p.slot(&s), outcomes, pending).await;
+    let outcome_of = |id: &str| unusual.iter().find(|(x, _)| x == id).map(|(_, o)| *o);
+    let mut parks = Parks::new();
+    for (key, record) in parkable {
+        let outcome = outcome_of(&record.head);
+        let parks_now = matches!(outcome, Some(Outcome::RetryScheduled | Outcome::Requeued));
+        // A head given back unfinished (a drain, a fence) stays parked.
+        let ended = !parks_now && outcome != Some(Outcome::Released);
+        if let Some(store) = p.parked.as_deref() {
+            let write = if parks_now {
+                crate::parked::bounded("recording a parked group", store.park(&record)).await
+            } else if ended && returning.contains(&record.head) {
+                crate::parked::bounded("forgetting a parked group", store.release(&record)).await
+            } else {
+                Ok(())
+            };
+            if let Err(e) = write {
+                tracing::warn!(
+                    topology = %s.topology, slot = s.slot, group = %record.group, message_id = %record.head,
+                    error = %format!("{e:#}"),
+                    "the parked-groups store did not take this change; the group is parked or released here, \
+                     but a handoff before the next change would not carry it"
+                );
+            }
+        }
+        if parks_now {
+            parks.push((key, record.head));
+        }
+    }
+    parks
 }
 
 /// Run batches (each of one tenant, group and handler, in order) through

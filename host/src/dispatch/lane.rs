@@ -60,6 +60,9 @@ pub struct Parked {
     /// The head came back from the ladder and is at the front of the queue
     /// (or running): the lane may run it, and only it.
     pub head_back: bool,
+    /// Read from the store at the slot's start (parked by the previous
+    /// owner): dropped as stale if its head is not back by then.
+    pub deadline: Option<Instant>,
 }
 
 impl Lane {

@@ -61,6 +61,9 @@ pub struct Pipeline {
     pub observer: Option<Arc<dyn SettleObserver>>,
     /// Where `handler.dedup` keeps its records (`None`: no handler asks).
     pub dedup: Option<Arc<dyn crate::dedup::Store>>,
+    /// Where parked groups are kept for the slot's next owner (`None`: no
+    /// handler parks, or the cluster mode has no store).
+    pub parked: Option<Arc<dyn crate::parked::Store>>,
 }
 
 impl Pipeline {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -68,6 +69,9 @@ pub struct SlotRunner {
     inflight: FuturesUnordered<BoxFuture<'static, (Done, usize, Parks)>>,
     /// Lanes with a parked group.
     parked: usize,
+    /// Parked groups read from the store at start, by the time their head
+    /// must be back (stale entries skipped).
+    park_deadlines: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Deliveries held by the jobs in flight (until they are settled).
     in_jobs: usize,
     report: RunnerReport,
@@ -91,6 +95,7 @@ impl SlotRunner {
             running_unordered: 0,
             inflight: FuturesUnordered::new(),
             parked: 0,
+            park_deadlines: BinaryHeap::new(),
             in_jobs: 0,
             report: RunnerReport::default(),
             poisoned: None,
@@ -113,13 +118,17 @@ impl SlotRunner {
             .map_err(|e| anyhow::anyhow!("subscribing to slot {} of topology `{}`: {e}", s.slot, s.topology))?;
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner started");
         if !*stop.borrow() {
+            self.load_parked().await?;
             'consume: loop {
                 let linger = self.lingering.peek().map(|Reverse((at, _))| *at);
                 let wake = linger.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+                let overdue = self.park_deadlines.peek().map(|Reverse((at, _))| *at);
+                let overdue_at = overdue.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
                 tokio::select! {
                     biased;
                     Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
                     () = tokio::time::sleep_until(wake.into()), if linger.is_some() => self.wake_lingering(Some(Instant::now())),
+                    () = tokio::time::sleep_until(overdue_at.into()), if overdue.is_some() => self.drop_overdue_parks(),
                     changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
                     next = sub.next() => match next {
                         Some(Ok(d)) => {
@@ -395,6 +404,7 @@ impl SlotRunner {
             let failures = match lane.parked.as_mut() {
                 Some(p) if p.id == *id => {
                     p.head_back = false;
+                    p.deadline = None;
                     p.failures += 1;
                     p.failures
                 }
@@ -405,6 +415,7 @@ impl SlotRunner {
                         since: Instant::now(),
                         failures: 1,
                         head_back: false,
+                        deadline: None,
                     });
                     1
                 }
@@ -435,6 +446,85 @@ impl SlotRunner {
                     parked_for = ?p.since.elapsed(), held = lane.queue.len(),
                     "parked group released: its head ended (handled or dead-lettered)"
                 );
+            }
+        }
+    }
+
+    /// Park the groups the slot's previous owner left parked (read from the
+    /// store before anything is consumed). An error stops the runner (its
+    /// supervisor starts it again): consuming without them could run a
+    /// parked group's messages before its head.
+    async fn load_parked(&mut self) -> anyhow::Result<()> {
+        let Some(store) = self.p.parked.clone() else {
+            return Ok(());
+        };
+        if std::env::var(crate::parked::NEGATIVE_CONTROL_NOT_CARRIED).is_ok_and(|v| v == "1") {
+            tracing::error!(
+                "{}=1: parked groups are NOT read at a slot's start (a test's negative control; never in production)",
+                crate::parked::NEGATIVE_CONTROL_NOT_CARRIED
+            );
+            return Ok(());
+        }
+        let s = self.s.clone();
+        let records = crate::parked::bounded("reading the parked groups", store.parked(&s.topology, s.slot))
+            .await
+            .with_context(|| {
+                format!(
+                    "slot {} of topology `{}`: reading its parked groups",
+                    s.slot, s.topology
+                )
+            })?;
+        let longest = s.schedule.policy().ladder.iter().max().copied().unwrap_or_default();
+        let deadline =
+            Instant::now() + longest.max(crate::retry::schedule::NATS_DEFAULT_ACK_WAIT) + crate::parked::GRACE;
+        for r in records {
+            let tenant = Some(r.tenant.as_str()).filter(|t| !t.is_empty());
+            let key = lane_key(tenant, &r.group);
+            let lane = self.lanes.entry(key).or_default();
+            if lane.parked.is_none() {
+                self.parked += 1;
+            }
+            tracing::info!(
+                topology = %s.topology, slot = s.slot, group = %r.group, message_id = %r.head,
+                "group parked by the slot's previous owner: it waits for its head here too"
+            );
+            lane.parked = Some(Parked {
+                id: r.head,
+                since: Instant::now(),
+                failures: 0,
+                head_back: false,
+                deadline: Some(deadline),
+            });
+            self.park_deadlines.push(Reverse((deadline, key)));
+        }
+        Ok(())
+    }
+
+    /// Parked groups read at start whose head is not back by their deadline:
+    /// their record is stale (the head ended on a node that died before it
+    /// could delete it), and they are released.
+    fn drop_overdue_parks(&mut self) {
+        let now = Instant::now();
+        while let Some(Reverse((at, key))) = self.park_deadlines.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.park_deadlines.pop();
+            let Some(lane) = self.lanes.get_mut(&key) else { continue };
+            let Some(p) = lane.parked.take_if(|p| !p.head_back && p.deadline == Some(at)) else {
+                continue;
+            };
+            self.parked -= 1;
+            tracing::warn!(
+                topology = %self.s.topology, slot = self.s.slot, message_id = %p.id, held = lane.queue.len(),
+                "a group parked by the slot's previous owner: its head did not come back in time, so the record \
+                 was stale; the group runs on"
+            );
+            if lane.queue.is_empty() && lane.running == 0 {
+                self.lanes.remove(&key);
+            } else if lane.can_start() && !lane.ready {
+                lane.ready = true;
+                self.ready.push_back(key);
             }
         }
     }
@@ -522,6 +612,8 @@ impl SlotRunner {
             // another, so a tenant waiting on its concurrency limit or
             // running away must not hold another tenant's messages.
             let mut job_tenant: Option<Option<String>> = None;
+            // Parked heads back from the ladder in this job.
+            let mut returning: Vec<String> = Vec::new();
             while run.len() + members < target && self.running_groups < self.s.max_concurrent_groups {
                 let Some(key) = self.ready.pop_front() else { break };
                 let Some(lane) = self.lanes.get_mut(&key) else { continue };
@@ -563,6 +655,9 @@ impl SlotRunner {
                 // Single messages up to the next batched one; a message
                 // that parks its group on failure runs alone.
                 let n = if lane.queue.front().is_some_and(|q| q.park) {
+                    if let Some(p) = lane.parked.as_ref().filter(|p| p.head_back) {
+                        returning.push(p.id.clone());
+                    }
                     1
                 } else {
                     lane.queue
@@ -587,7 +682,7 @@ impl SlotRunner {
             if !keys.is_empty() {
                 let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
                 let held = run.len();
-                self.job(Done::Groups(keys), held, run_lane(p, s, c, run));
+                self.job(Done::Groups(keys), held, run_lane(p, s, c, run, returning));
             }
         }
         let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
@@ -610,7 +705,7 @@ impl SlotRunner {
             let run: Vec<Delivery> = self.unordered.drain(..n).collect();
             self.running_unordered += 1;
             let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-            self.job(Done::Unordered, n, run_lane(p, s, c, run));
+            self.job(Done::Unordered, n, run_lane(p, s, c, run, Vec::new()));
         }
     }
 }

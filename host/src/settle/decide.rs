@@ -16,10 +16,14 @@ use crate::runtime::{CallOutcome, FaultKind};
 use crate::transport::Disposition;
 
 /// Settle every message of a call by its outcome (the one path single
-/// messages and batch members share); returns the ids of those that went
-/// back to the ladder or the queue (retried, or requeued), which is what
-/// parks a group (`on_failure = "park"`).
-pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, pending: Vec<Pending>) -> Vec<String> {
+/// messages and batch members share); returns the id and outcome of each
+/// that was not simply handled and acked (what parks a group, or leaves it
+/// parked: `on_failure = "park"`).
+pub async fn settle_all(
+    cx: &Slot<'_>,
+    outcomes: Vec<(Envelope, CallOutcome)>,
+    pending: Vec<Pending>,
+) -> Vec<(String, Outcome)> {
     // The common case, handled with nothing to publish, only needs its ack:
     // settle those in order right here. Everything else (cascades to
     // confirm, retries, captures) may wait on the broker, so those settle
@@ -68,7 +72,7 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
                     if let Some((t, started)) = trace {
                         t.settled(o, started);
                     }
-                    matches!(o, Outcome::RetryScheduled | Outcome::Requeued).then_some(id)
+                    (id, o)
                 }));
             }
         }
@@ -76,7 +80,7 @@ pub async fn settle_all(cx: &Slot<'_>, outcomes: Vec<(Envelope, CallOutcome)>, p
     if slow.is_empty() {
         return Vec::new();
     }
-    futures::future::join_all(slow).await.into_iter().flatten().collect()
+    futures::future::join_all(slow).await
 }
 
 /// Record `keys` as handled (`handler.dedup`), before their acks. A write

@@ -46,7 +46,7 @@ pub fn cluster(url: &str) -> String {
 }
 
 /// A KV bucket of this test (`weir-t-<uuid8>`), deleted on drop with its
-/// `handler.dedup` bucket. The nodes
+/// `handler.dedup` and parked-groups buckets. The nodes
 /// create it; this reads it with Weir's own reader, as `weir status` does.
 pub struct KvBucket {
     pub bucket: String,
@@ -126,6 +126,7 @@ impl Drop for KvBucket {
                 let _ = js.delete_key_value(&bucket).await;
                 // handler.dedup's bucket beside it, when a test made one.
                 let _ = js.delete_stream(format!("KV_{bucket}-dedup")).await;
+                let _ = js.delete_stream(format!("KV_{bucket}-parked")).await;
             }
         });
     }
