@@ -223,6 +223,16 @@ impl Router {
         self.binding(topology, env)?.batch.as_ref()
     }
 
+    /// [`Router::batch_rule`] and [`Router::parks`] in one lookup (a
+    /// runner asks both of every delivery).
+    pub fn lane_rule(&self, topology: &str, env: &Envelope) -> (Option<&Arc<BatchRule>>, bool) {
+        let Some(b) = self.binding(topology, env) else {
+            return (None, false);
+        };
+        let batch = b.batch.as_ref().filter(|_| env.header(header::HANDLER_PIN).is_none());
+        (batch, b.park)
+    }
+
     fn binding(&self, topology: &str, env: &Envelope) -> Option<&Binding> {
         let by_tenant = self.bindings.get(topology)?.get(env.message_type.as_str())?;
         env.tenant_id

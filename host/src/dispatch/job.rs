@@ -277,8 +277,9 @@ pub(super) async fn run_lane(
     }
     let parkable: Vec<(u64, crate::parked::Record)> = envs
         .iter()
-        .filter(|e| p.router.parks(&s.topology, e))
-        .filter_map(|e| {
+        .zip(&pending)
+        .filter(|(_, x)| x.handler.settings.park)
+        .filter_map(|(e, _)| {
             let group = e.group()?;
             let record = crate::parked::Record {
                 topology: s.topology.to_string(),

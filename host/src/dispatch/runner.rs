@@ -266,11 +266,9 @@ impl SlotRunner {
                 return;
             }
             Ok(env) => {
-                let batch = self.p.router.batch_rule(&self.s.topology, env).cloned();
-                park = batch.is_none()
-                    && env.group().is_some()
-                    && !self.s.bypass_lanes
-                    && self.p.router.parks(&self.s.topology, env);
+                let (batch, parks) = self.p.router.lane_rule(&self.s.topology, env);
+                let batch = batch.cloned();
+                park = parks && batch.is_none() && env.group().is_some() && !self.s.bypass_lanes;
                 match (env.group().filter(|_| !self.s.bypass_lanes), batch) {
                     (Some(g), batch) => {
                         let salt = if batch.is_some() && self.s.bypass_batch_lanes {

@@ -69,6 +69,7 @@ pub(super) fn base_settings(
     s.permits = Some(Arc::new(tokio::sync::Semaphore::new(s.max_instances.max(1))));
     s.fuel = h.limits.fuel;
     s.dedup = h.dedup.map(|d| d.window);
+    s.park = h.on_failure == config::OnFailure::Park;
     s.wasi.inherit_stdio = h.wasi.inherit_stdio;
     s.wasi.network = h.wasi.network;
     if let Some(t) = h.tenant.as_deref() {

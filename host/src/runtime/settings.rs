@@ -108,6 +108,8 @@ pub struct HandlerSettings {
     /// `handler.dedup.window`: how long a handled message is remembered
     /// (`None`: no dedup).
     pub dedup: Option<Duration>,
+    /// `handler.on_failure = "park"`.
+    pub park: bool,
 }
 
 /// A tenant's share of the node: calls of all its handlers at once.
@@ -140,6 +142,7 @@ impl HandlerSettings {
             budget: Arc::default(),
             budgets: None,
             dedup: None,
+            park: false,
         }
     }
 }
