@@ -16,6 +16,7 @@ mod call;
 mod dead_letters;
 mod deploy;
 mod dev;
+mod groups;
 mod logging;
 mod publish;
 mod scaffold;
@@ -55,6 +56,11 @@ enum Command {
         /// The node's TOML config.
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Groups parked behind a failed message (`on_failure = "park"`).
+    Groups {
+        #[command(subcommand)]
+        command: GroupsCommand,
     },
     /// The cluster's slots (owner, fencing epoch, state, lag, consumers, calls
     /// in flight) and nodes, with every unowned slot flagged (red on a terminal).
@@ -252,6 +258,23 @@ impl AdminTarget {
 }
 
 #[derive(Subcommand)]
+enum GroupsCommand {
+    /// The parked groups of each node: slot, tenant, group, the failed head,
+    /// its failures, and how long the group has waited.
+    List {
+        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
+        #[arg(long, required = true)]
+        admin: Vec<String>,
+        /// The operator's or a tenant's token (or WEIR_TOKEN): a tenant sees its own groups.
+        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
 enum ScheduleCommand {
     /// Print each topology's retry ladder as a table with every violation;
     /// exit 1 on a violation.
@@ -285,7 +308,7 @@ fn main() -> ExitCode {
     let settings = logging::Settings {
         kind: match cli.command {
             // Their output is the progress and summary, or the table: warnings only.
-            Command::Demo { .. } | Command::DeadLetters { .. } => logging::Kind::Quiet,
+            Command::Demo { .. } | Command::DeadLetters { .. } | Command::Groups { .. } => logging::Kind::Quiet,
             Command::Call { .. } => logging::Kind::Call,
             Command::Dev { .. } => logging::Kind::Dev,
             _ => logging::Kind::Other,
@@ -446,6 +469,9 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             offline,
         }),
         Command::DeadLetters { command } => dead_letters::run(command),
+        Command::Groups {
+            command: GroupsCommand::List { admin, token, json },
+        } => groups::list(&admin, token.as_deref(), json),
         Command::Rollback { target } => {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)

@@ -25,11 +25,24 @@ pub struct Request {
 
 /// One node's view, from its admin listener.
 fn from_admin(admin: &str, token: Option<&str>) -> anyhow::Result<Status> {
+    get_json(admin, "/v1/slots", token, "the slots", "a status")
+}
+
+/// `GET path` of the admin listener at `admin` (with `token`), as JSON;
+/// the errors say what to fix. `what`: what a tenant token is refused
+/// (`the slots`); `shape`: what the answer should have been.
+pub fn get_json<T: serde::de::DeserializeOwned>(
+    admin: &str,
+    path: &str,
+    token: Option<&str>,
+    what: &str,
+    shape: &str,
+) -> anyhow::Result<T> {
     let base = admin.trim_end_matches('/');
     let url = if base.contains("://") {
-        format!("{base}/v1/slots")
+        format!("{base}{path}")
     } else {
-        format!("http://{base}/v1/slots")
+        format!("http://{base}{path}")
     };
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -50,13 +63,13 @@ fn from_admin(admin: &str, token: Option<&str>) -> anyhow::Result<Status> {
         .with_context(|| format!("reading the answer of {url}"))?;
     if !status.is_success() {
         let hint = match status.as_u16() {
-            401 => " (give the operator token: --token or WEIR_TOKEN)",
-            403 => " (the slots are for the operator's token, not a tenant's)",
-            _ => "",
+            401 => " (give the operator token: --token or WEIR_TOKEN)".to_owned(),
+            403 => format!(" ({what} are for the operator's token, not a tenant's)"),
+            _ => String::new(),
         };
         bail!("{url} answered {status}: {}{hint}", text.trim());
     }
-    serde_json::from_str(&text).with_context(|| format!("{url} did not answer a status: {text}"))
+    serde_json::from_str(&text).with_context(|| format!("{url} did not answer {shape}: {text}"))
 }
 
 /// The cluster once.

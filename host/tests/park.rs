@@ -334,3 +334,56 @@ async fn a_parked_group_holds_at_most_park_hold() {
         settled.0.lock()
     );
 }
+
+/// A parked group shows in `GET /v1/groups` and `weir groups list` while it
+/// waits, and is gone once its head is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_groups_are_listed_by_the_admin_api_and_the_cli() {
+    let on = memory();
+    let port = common::http::free_port();
+    let mut cfg = config(&on, OnFailure::Park, None);
+    cfg.node.admin = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let settled = Arc::new(Settled::default());
+    let opts = NodeOptions {
+        workers: 2,
+        settle_observer: Some(settled.clone()),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&cfg, on.transport.clone(), opts).await.unwrap();
+    // Four failures: parked for four rungs.
+    let head = flaky(GROUP, 4);
+    common::publish_confirmed(on.transport.as_ref(), &on.topology, 0, &head).await;
+    let start = Instant::now();
+    while settled.position(&head.id, Outcome::RetryScheduled).is_none() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the head never failed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (status, body) = tokio::task::spawn_blocking(move || common::http::call("GET", port, "/v1/groups", None, b""))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let parked = body["parked"].as_array().unwrap();
+    assert_eq!(parked.len(), 1, "{body}");
+    assert_eq!(parked[0]["group"], GROUP);
+    assert_eq!(parked[0]["head"], head.id.as_str());
+    assert_eq!(parked[0]["slot"], 0);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["groups", "list", "--admin", &format!("http://127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        text.contains(GROUP) && text.contains(&head.id) && text.contains("1 group(s) parked"),
+        "{text}"
+    );
+    while settled.position(&head.id, Outcome::Handled).is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "{:?}", settled.0.lock());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, body) = tokio::task::spawn_blocking(move || common::http::call("GET", port, "/v1/groups", None, b""))
+        .await
+        .unwrap();
+    assert_eq!(body["parked"].as_array().map(Vec::len), Some(0), "{body}");
+    node.shutdown().await.unwrap();
+}

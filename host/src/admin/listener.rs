@@ -39,6 +39,7 @@ pub async fn serve(
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/v1/slots", get(slots))
+        .route("/v1/groups", get(super::routes::groups))
         .route("/v1/handlers", get(handlers))
         .route("/v1/handlers/{name}", get(handler).put(deploy))
         .route("/v1/handlers/{name}/rollback", post(rollback))

@@ -104,6 +104,25 @@ pub(super) async fn slots(State(s): State<Arc<AdminState>>, headers: HeaderMap) 
     }
 }
 
+/// `GET /v1/groups`: the groups parked on this node (`on_failure =
+/// "park"`); a tenant's token sees its own.
+pub(super) async fn groups(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    let caller = match s.auth.reader(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    let groups: Vec<_> = s
+        .stats
+        .parked_groups()
+        .into_iter()
+        .filter(|g| match &caller {
+            crate::registry::Caller::Operator => true,
+            crate::registry::Caller::Tenant(t) => g.tenant.as_deref() == Some(t.as_str()),
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "node": s.node, "parked": groups })).into_response()
+}
+
 pub(super) async fn handlers(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
     match s.auth.reader(&headers) {
         Ok(caller) => axum::Json(serde_json::json!({ "handlers": s.registry.list(&caller) })).into_response(),

@@ -252,8 +252,8 @@ async fn call_each(
     }
 }
 
-/// Groups a job parked: (lane key, the failed head's message id).
-pub type Parks = Vec<(u64, String)>;
+/// Groups a job parked: (lane key, the group and its failed head).
+pub type Parks = Vec<(u64, crate::parked::Record)>;
 
 /// Run one lane's messages (in order, on one worker) and settle each;
 /// returns the groups to park (`on_failure = "park"`): those whose message
@@ -323,7 +323,7 @@ pub(super) async fn run_lane(
             }
         }
         if parks_now {
-            parks.push((key, record.head));
+            parks.push((key, record));
         }
     }
     parks

@@ -23,6 +23,21 @@ use super::job::{Parks, run_batches, run_lane};
 use super::lane::{BYPASS_SALT, Lane, LaneMap, Parked, Queued, lane_key, loose_key, take_queue};
 use super::{LaneKind, Pipeline, RunnerReport, SlotSettings, panic_text};
 
+/// A parked group as the admin API shows it.
+fn shown(r: &crate::parked::Record, failures: u32) -> crate::observe::stats::ParkedGroup {
+    crate::observe::stats::ParkedGroup {
+        topology: r.topology.clone(),
+        slot: r.slot,
+        tenant: Some(r.tenant.clone()).filter(|t| !t.is_empty()),
+        group: r.group.clone(),
+        head: r.head.clone(),
+        failures,
+        since_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    }
+}
+
 enum Done {
     /// A job that panicked, with what it would have returned and the
     /// panic's message.
@@ -178,6 +193,7 @@ impl SlotRunner {
         }
         s.counters.set_depth(0, 0);
         s.counters.set_parked(0);
+        self.p.stats.forget_parked_groups(&(s.topology.clone(), s.slot));
         self.drain(sub.as_mut()).await;
         sub.close().await;
         drop(sub);
@@ -397,7 +413,9 @@ impl SlotRunner {
     /// any other way (handled, dead-lettered).
     fn park(&mut self, keys: &[u64], parks: Parks) {
         let s = self.s.clone();
-        for (key, id) in &parks {
+        let slot_key: crate::observe::stats::SlotKey = (s.topology.clone(), s.slot);
+        for (key, record) in &parks {
+            let id = &record.head;
             let Some(lane) = self.lanes.get_mut(key) else { continue };
             let failures = match lane.parked.as_mut() {
                 Some(p) if p.id == *id => {
@@ -431,6 +449,9 @@ impl SlotRunner {
                 topology = %s.topology, slot = s.slot, message_id = %id, failures, held = lane.queue.len(),
                 "group parked behind a failed message (on_failure = \"park\"); its later messages wait"
             );
+            self.p
+                .stats
+                .set_parked_group(&slot_key, *key, Some(shown(record, failures)));
         }
         for key in keys {
             if parks.iter().any(|(k, _)| k == key) {
@@ -439,6 +460,7 @@ impl SlotRunner {
             let Some(lane) = self.lanes.get_mut(key) else { continue };
             if let Some(p) = lane.parked.take_if(|p| p.head_back) {
                 self.parked -= 1;
+                self.p.stats.set_parked_group(&slot_key, *key, None);
                 tracing::info!(
                     topology = %s.topology, slot = s.slot, message_id = %p.id, failures = p.failures,
                     parked_for = ?p.since.elapsed(), held = lane.queue.len(),
@@ -486,6 +508,9 @@ impl SlotRunner {
                 topology = %s.topology, slot = s.slot, group = %r.group, message_id = %r.head,
                 "group parked by the slot's previous owner: it waits for its head here too"
             );
+            self.p
+                .stats
+                .set_parked_group(&(s.topology.clone(), s.slot), key, Some(shown(&r, 0)));
             lane.parked = Some(Parked {
                 id: r.head,
                 since: Instant::now(),
@@ -513,6 +538,9 @@ impl SlotRunner {
                 continue;
             };
             self.parked -= 1;
+            self.p
+                .stats
+                .set_parked_group(&(self.s.topology.clone(), self.s.slot), key, None);
             tracing::warn!(
                 topology = %self.s.topology, slot = self.s.slot, message_id = %p.id, held = lane.queue.len(),
                 "a group parked by the slot's previous owner: its head did not come back in time, so the record \

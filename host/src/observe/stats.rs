@@ -198,6 +198,54 @@ pub struct Stats {
     /// 503 while any is here. Cleared once a restarted runner has run for a
     /// while without failing again.
     failing: parking_lot::Mutex<BTreeMap<SlotKey, String>>,
+    /// Groups parked in this node's slots, by (slot, lane key).
+    parked_groups: parking_lot::Mutex<BTreeMap<(SlotKey, u64), ParkedGroup>>,
+}
+
+/// A group parked behind a failed message (`on_failure = "park"`), as
+/// `GET /v1/groups` and `weir groups list` show it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParkedGroup {
+    /// Topology.
+    pub topology: String,
+    /// Slot.
+    pub slot: u32,
+    /// Tenant (`None`: the messages have none).
+    pub tenant: Option<String>,
+    /// Group id.
+    pub group: String,
+    /// The failed head's message id.
+    pub head: String,
+    /// The head's failed attempts seen on this node (0: parked by the
+    /// slot's previous owner, its head not back yet).
+    pub failures: u32,
+    /// When it was parked here, milliseconds since the Unix epoch.
+    pub since_ms: u64,
+}
+
+impl Stats {
+    /// Group `key` of `slot` is parked as `group` (`None`: released).
+    pub fn set_parked_group(&self, slot: &SlotKey, key: u64, group: Option<ParkedGroup>) {
+        let mut parked = self.parked_groups.lock();
+        match group {
+            Some(g) => {
+                parked.insert((slot.clone(), key), g);
+            }
+            None => {
+                parked.remove(&(slot.clone(), key));
+            }
+        }
+    }
+
+    /// The slot stopped running here: none of its groups is parked here.
+    pub fn forget_parked_groups(&self, slot: &SlotKey) {
+        self.parked_groups.lock().retain(|(s, _), _| s != slot);
+    }
+
+    /// Every group parked on this node.
+    pub fn parked_groups(&self) -> Vec<ParkedGroup> {
+        self.parked_groups.lock().values().cloned().collect()
+    }
 }
 
 impl Stats {
