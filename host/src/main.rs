@@ -272,6 +272,32 @@ enum GroupsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Release a parked group now: its held messages run at once, its head
+    /// when it comes back from the ladder (out of order, as asked).
+    Unpark(GroupOrderArgs),
+    /// Release a parked group and dead-letter its head `skipped` when it
+    /// comes back from the ladder.
+    Skip(GroupOrderArgs),
+}
+
+/// Which group, on which nodes, as whom.
+#[derive(clap::Args)]
+struct GroupOrderArgs {
+    /// The nodes' admin listeners (repeatable: the one running the group's slot acts).
+    #[arg(long, required = true)]
+    admin: Vec<String>,
+    /// The operator's token, or the group's tenant's (or WEIR_TOKEN).
+    #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+    token: String,
+    /// The group's topology.
+    #[arg(long)]
+    topology: String,
+    /// The group id.
+    #[arg(long)]
+    group: String,
+    /// The group's tenant, when its messages have one.
+    #[arg(long)]
+    tenant: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -469,9 +495,15 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             offline,
         }),
         Command::DeadLetters { command } => dead_letters::run(command),
-        Command::Groups {
-            command: GroupsCommand::List { admin, token, json },
-        } => groups::list(&admin, token.as_deref(), json),
+        Command::Groups { command } => match command {
+            GroupsCommand::List { admin, token, json } => groups::list(&admin, token.as_deref(), json),
+            GroupsCommand::Unpark(a) => {
+                groups::order(&a.admin, &a.token, &a.topology, &a.group, a.tenant.as_deref(), false)
+            }
+            GroupsCommand::Skip(a) => {
+                groups::order(&a.admin, &a.token, &a.topology, &a.group, a.tenant.as_deref(), true)
+            }
+        },
         Command::Rollback { target } => {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)

@@ -536,6 +536,7 @@ impl Node {
             observer: opts.settle_observer.clone(),
             dedup: open_dedup(config).await?,
             parked: open_parked(config, database.as_ref()).await?,
+            orders: Default::default(),
         });
         let coordinator = cluster::coordinator(config, database, bucket)?;
         let (stop, stop_rx) = watch::channel(false);

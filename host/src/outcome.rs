@@ -20,11 +20,13 @@ pub enum Reason {
     /// Its group was parked (`on_failure = "park"`) and held as many
     /// messages as `topology.park_hold` allows.
     ParkOverflow,
+    /// The head of a parked group an operator skipped (`weir groups skip`).
+    Skipped,
 }
 
 impl Reason {
     /// Every reason, in a fixed order.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Rejected,
         Reason::Exhausted,
         Reason::Undecodable,
@@ -32,6 +34,7 @@ impl Reason {
         Reason::Timeout,
         Reason::Trap,
         Reason::ParkOverflow,
+        Reason::Skipped,
     ];
 
     /// The header value.
@@ -44,6 +47,7 @@ impl Reason {
             Reason::Timeout => "timeout",
             Reason::Trap => "trap",
             Reason::ParkOverflow => "park-overflow",
+            Reason::Skipped => "skipped",
         }
     }
 }

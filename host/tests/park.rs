@@ -387,3 +387,97 @@ async fn parked_groups_are_listed_by_the_admin_api_and_the_cli() {
     assert_eq!(body["parked"].as_array().map(Vec::len), Some(0), "{body}");
     node.shutdown().await.unwrap();
 }
+
+/// `weir groups skip` releases a parked group at once (its held messages
+/// run before the head is back) and dead-letters the head `skipped` when it
+/// comes back; `POST /v1/groups/unpark` releases another, whose head then
+/// runs late. A group that is not parked is refused with 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_skips_or_unparks_a_parked_group() {
+    let on = memory();
+    let port = common::http::free_port();
+    let mut cfg = config(&on, OnFailure::Park, None);
+    cfg.node.admin = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    cfg.node.admin_token = Some("op-token".into());
+    let settled = Arc::new(Settled::default());
+    let opts = NodeOptions {
+        workers: 2,
+        settle_observer: Some(settled.clone()),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&cfg, on.transport.clone(), opts).await.unwrap();
+    let wait_for = |id: String, want: Outcome| {
+        let settled = settled.clone();
+        async move {
+            let start = Instant::now();
+            while settled.position(&id, want).is_none() {
+                assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "{id} never {want:?}: {:?}",
+                    settled.0.lock()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    for (group, skip) in [("to-skip", true), ("to-unpark", false)] {
+        let head = flaky(group, 4);
+        common::publish_confirmed(on.transport.as_ref(), &on.topology, 0, &head).await;
+        wait_for(head.id.clone(), Outcome::RetryScheduled).await;
+        let held: Vec<Envelope> = (0..3).map(|_| flaky(group, 0)).collect();
+        for m in &held {
+            common::publish_confirmed(on.transport.as_ref(), &on.topology, 0, m).await;
+        }
+        if skip {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args([
+                    "groups",
+                    "skip",
+                    "--admin",
+                    &format!("127.0.0.1:{port}"),
+                    "--token",
+                    "op-token",
+                ])
+                .args(["--topology", &on.topology, "--group", group])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+            assert!(text.contains("skipped"), "{text}");
+        } else {
+            let body = serde_json::json!({ "topology": on.topology, "group": group }).to_string();
+            let (status, answer) = tokio::task::spawn_blocking(move || {
+                common::http::call("POST", port, "/v1/groups/unpark", Some("op-token"), body.as_bytes())
+            })
+            .await
+            .unwrap();
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(answer["head"], head.id.as_str());
+        }
+        // The held messages run at once, before the head is back.
+        for m in &held {
+            wait_for(m.id.clone(), Outcome::Handled).await;
+        }
+        let end = if skip {
+            Outcome::DeadLettered(Reason::Skipped)
+        } else {
+            Outcome::Handled
+        };
+        wait_for(head.id.clone(), end).await;
+        let head_end = settled.position(&head.id, end).unwrap();
+        assert!(
+            held.iter()
+                .all(|m| settled.position(&m.id, Outcome::Handled).unwrap() < head_end),
+            "{:?}",
+            settled.0.lock()
+        );
+    }
+    let body = serde_json::json!({ "topology": on.topology, "group": "never-parked" }).to_string();
+    let (status, answer) = tokio::task::spawn_blocking(move || {
+        common::http::call("POST", port, "/v1/groups/skip", Some("op-token"), body.as_bytes())
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 404, "{answer}");
+    node.shutdown().await.unwrap();
+}

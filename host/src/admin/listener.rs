@@ -40,6 +40,7 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .route("/v1/slots", get(slots))
         .route("/v1/groups", get(super::routes::groups))
+        .route("/v1/groups/{action}", post(super::routes::order_group))
         .route("/v1/handlers", get(handlers))
         .route("/v1/handlers/{name}", get(handler).put(deploy))
         .route("/v1/handlers/{name}/rollback", post(rollback))

@@ -123,6 +123,65 @@ pub(super) async fn groups(State(s): State<Arc<AdminState>>, headers: HeaderMap)
     axum::Json(serde_json::json!({ "node": s.node, "parked": groups })).into_response()
 }
 
+/// What `POST /v1/groups/unpark` and `/v1/groups/skip` take.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct GroupRef {
+    topology: String,
+    group: String,
+    #[serde(default)]
+    tenant: Option<String>,
+}
+
+/// `POST /v1/groups/{action}` (`unpark`, `skip`): release a parked group
+/// whose slot runs on this node; a tenant's token, only its own groups.
+pub(super) async fn order_group(
+    State(s): State<Arc<AdminState>>,
+    Path(action): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let caller = match s.auth.writer(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    let skip = match action.as_str() {
+        "unpark" => false,
+        "skip" => true,
+        other => {
+            return (
+                StatusCode::NOT_FOUND,
+                format!("no action `{other}` on groups; accepted: unpark, skip\n"),
+            )
+                .into_response();
+        }
+    };
+    let r: GroupRef = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("the body must be {{\"topology\": T, \"group\": G, \"tenant\": X (optional)}}: {e}\n"),
+            )
+                .into_response();
+        }
+    };
+    if let crate::registry::Caller::Tenant(t) = &caller
+        && r.tenant.as_deref() != Some(t.as_str())
+    {
+        return (
+            StatusCode::FORBIDDEN,
+            format!("a tenant token ({t}) may only act on its own groups (give \"tenant\": \"{t}\")\n"),
+        )
+            .into_response();
+    }
+    match s.slots.order_group(&r.topology, r.tenant, r.group.clone(), skip).await {
+        Ok(head) => axum::Json(serde_json::json!({ "node": s.node, "group": r.group, "head": head, "skipped": skip }))
+            .into_response(),
+        Err(why) => (StatusCode::NOT_FOUND, format!("{why}\n")).into_response(),
+    }
+}
+
 pub(super) async fn handlers(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
     match s.auth.reader(&headers) {
         Ok(caller) => axum::Json(serde_json::json!({ "handlers": s.registry.list(&caller) })).into_response(),

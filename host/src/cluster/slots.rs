@@ -85,6 +85,41 @@ impl SlotSet {
         Self::with_supervisor(pipeline, topologies, supervisor)
     }
 
+    /// Hand an operator's order for a parked group to the runner of its
+    /// slot on this node: `Ok(head)`, or `Err(why)` (not parked here, its
+    /// slot does not run here, no such topology).
+    pub async fn order_group(
+        &self,
+        topology: &str,
+        tenant: Option<String>,
+        group: String,
+        skip: bool,
+    ) -> Result<String, String> {
+        let Some(t) = self.topologies.get(topology) else {
+            return Err(format!("no topology `{topology}` on this node"));
+        };
+        let slot = crate::partition::slot_for(Some(&group), "", t.slots);
+        let inbox = self.pipeline.orders.lock().get(&(Arc::from(topology), slot)).cloned();
+        let Some(inbox) = inbox else {
+            return Err(format!(
+                "slot {slot} of `{topology}` (group `{group}`'s) does not run on this node"
+            ));
+        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let order = crate::dispatch::GroupOrder {
+            tenant,
+            group,
+            skip,
+            reply,
+        };
+        inbox
+            .send(order)
+            .map_err(|_| format!("slot {slot} of `{topology}` is stopping"))?;
+        answer
+            .await
+            .map_err(|_| format!("slot {slot} of `{topology}` stopped before it answered"))?
+    }
+
     /// A set whose slots run `supervisor` (tests). Must be called on the
     /// runtime the runners are to run on.
     #[doc(hidden)]
@@ -120,6 +155,7 @@ impl SlotSet {
             observer: None,
             dedup: None,
             parked: None,
+            orders: Default::default(),
         });
         let settings = TopologySettings {
             topology: Arc::from(topology),

@@ -64,6 +64,25 @@ pub struct Pipeline {
     /// Where parked groups are kept for the slot's next owner (`None`: no
     /// handler parks, or the cluster mode has no store).
     pub parked: Option<Arc<dyn crate::parked::Store>>,
+    /// Each running slot's inbox for operators' orders on parked groups.
+    pub orders: parking_lot::Mutex<std::collections::HashMap<(Arc<str>, u32), OrderInbox>>,
+}
+
+/// Where a slot runner takes [`GroupOrder`]s.
+pub type OrderInbox = tokio::sync::mpsc::UnboundedSender<GroupOrder>;
+
+/// An operator's order for a parked group (`weir groups unpark|skip`).
+#[derive(Debug)]
+pub struct GroupOrder {
+    /// The group's tenant (`None`: its messages have none).
+    pub tenant: Option<String>,
+    /// The group id.
+    pub group: String,
+    /// Skip the head (dead-letter it `skipped` when it comes back) instead
+    /// of leaving it to run late.
+    pub skip: bool,
+    /// The parked head's message id, or why nothing was done.
+    pub reply: tokio::sync::oneshot::Sender<Result<String, String>>,
 }
 
 impl Pipeline {

@@ -87,6 +87,8 @@ pub struct SlotRunner {
     /// Parked groups read from the store at start, by the time their head
     /// must be back (stale entries skipped).
     park_deadlines: BinaryHeap<Reverse<(Instant, u64)>>,
+    /// Heads an operator skipped: dead-lettered `skipped` when they come back.
+    skipped: std::collections::HashSet<String>,
     /// Deliveries held by the jobs in flight (until they are settled).
     in_jobs: usize,
     report: RunnerReport,
@@ -111,6 +113,7 @@ impl SlotRunner {
             inflight: FuturesUnordered::new(),
             parked: 0,
             park_deadlines: BinaryHeap::new(),
+            skipped: std::collections::HashSet::new(),
             in_jobs: 0,
             report: RunnerReport::default(),
             poisoned: None,
@@ -132,6 +135,8 @@ impl SlotRunner {
             .await
             .map_err(|e| anyhow::anyhow!("subscribing to slot {} of topology `{}`: {e}", s.slot, s.topology))?;
         tracing::debug!(topology = %s.topology, slot = s.slot, "slot runner started");
+        let (inbox, mut orders) = tokio::sync::mpsc::unbounded_channel();
+        self.p.orders.lock().insert((s.topology.clone(), s.slot), inbox.clone());
         if !*stop.borrow() {
             self.load_parked().await?;
             'consume: loop {
@@ -144,6 +149,7 @@ impl SlotRunner {
                     Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.finish(done),
                     () = tokio::time::sleep_until(wake.into()), if linger.is_some() => self.wake_lingering(Some(Instant::now())),
                     () = tokio::time::sleep_until(overdue_at.into()), if overdue.is_some() => self.drop_overdue_parks(),
+                    Some(order) = orders.recv() => self.order(order),
                     changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
                     next = sub.next() => match next {
                         Some(Ok(d)) => {
@@ -189,6 +195,13 @@ impl SlotRunner {
                 s.counters
                     .set_depth(self.queued + self.unordered.len(), self.running_groups);
                 s.counters.set_parked(self.parked);
+            }
+        }
+        {
+            let mut inboxes = self.p.orders.lock();
+            let key = (s.topology.clone(), s.slot);
+            if inboxes.get(&key).is_some_and(|i| i.same_channel(&inbox)) {
+                inboxes.remove(&key);
             }
         }
         s.counters.set_depth(0, 0);
@@ -279,6 +292,11 @@ impl SlotRunner {
                     capture_undecodable(&p.slot(&s), d).await;
                     Parks::new()
                 });
+                return;
+            }
+            Ok(env) if !self.skipped.is_empty() && self.skipped.remove(&env.id) => {
+                let error = "an operator skipped this head of a parked group (weir groups skip)".to_owned();
+                self.capture_now(d, Reason::Skipped, error);
                 return;
             }
             Ok(env) => {
@@ -555,16 +573,82 @@ impl SlotRunner {
         }
     }
 
+    /// An operator's order for a parked group: release it now (its head
+    /// runs late when it comes back), or also skip its head (dead-lettered
+    /// `skipped` when it comes back). Refused while the head is back and
+    /// about to run, or running.
+    fn order(&mut self, o: crate::dispatch::GroupOrder) {
+        let key = lane_key(o.tenant.as_deref(), &o.group);
+        let s = self.s.clone();
+        let Some(lane) = self.lanes.get_mut(&key) else {
+            let _ = o.reply.send(Err(format!("group `{}` is not parked here", o.group)));
+            return;
+        };
+        match lane.parked.as_ref() {
+            None => {
+                let _ = o.reply.send(Err(format!("group `{}` is not parked here", o.group)));
+                return;
+            }
+            Some(p) if p.head_back => {
+                let _ = o.reply.send(Err(format!(
+                    "group `{}`: its head {} is back from the ladder and runs now; look again in a moment",
+                    o.group, p.id
+                )));
+                return;
+            }
+            Some(_) => {}
+        }
+        let Some(p) = lane.parked.take() else { return };
+        self.parked -= 1;
+        self.p.stats.set_parked_group(&(s.topology.clone(), s.slot), key, None);
+        tracing::warn!(
+            topology = %s.topology, slot = s.slot, group = %o.group, message_id = %p.id, held = lane.queue.len(),
+            skip = o.skip,
+            "parked group released by an operator: its held messages run now{}",
+            if o.skip { ", and its head is dead-lettered `skipped` when it comes back" } else { ", its head when it comes back" }
+        );
+        if lane.queue.is_empty() && lane.running == 0 {
+            self.lanes.remove(&key);
+        } else if lane.can_start() && !lane.ready {
+            lane.ready = true;
+            self.ready.push_back(key);
+        }
+        if o.skip {
+            self.skipped.insert(p.id.clone());
+        }
+        if let Some(store) = self.p.parked.clone() {
+            let record = crate::parked::Record {
+                topology: s.topology.to_string(),
+                slot: s.slot,
+                tenant: o.tenant.clone().unwrap_or_default(),
+                group: o.group.clone(),
+                head: p.id.clone(),
+            };
+            self.job(Done::Capture, 0, async move {
+                if let Err(e) = crate::parked::bounded("forgetting a parked group", store.release(&record)).await {
+                    tracing::warn!(group = %record.group, error = %format!("{e:#}"), "the parked-groups store did not take the release");
+                }
+                Parks::new()
+            });
+        }
+        let _ = o.reply.send(Ok(p.id));
+    }
+
     /// A message of a parked group that already holds `park_hold`: captured
     /// as `park-overflow` (the window must keep room for the head and the
     /// other groups).
     fn overflow(&mut self, d: Delivery, head: &str) {
-        let (p, s) = (self.p.clone(), self.s.clone());
         let error = format!(
             "its group is parked behind message {head}, which waits on the retry ladder, and already holds \
              {} messages (topology.park_hold)",
-            s.park_hold
+            self.s.park_hold
         );
+        self.capture_now(d, Reason::ParkOverflow, error);
+    }
+
+    /// Dead-letter `d` with `reason` without a call.
+    fn capture_now(&mut self, d: Delivery, reason: Reason, error: String) {
+        let (p, s) = (self.p.clone(), self.s.clone());
         self.job(Done::Capture, 1, async move {
             let cx = p.slot(&s);
             let Delivery {
@@ -576,10 +660,9 @@ impl SlotRunner {
             if let Ok(env) = message {
                 tracing::warn!(
                     topology = %s.topology, slot = s.slot, message_id = %env.id, group = env.group().unwrap_or(""),
-                    "{error}: dead-lettered park-overflow"
+                    "{error}: dead-lettered {reason}"
                 );
-                let outcome =
-                    capture_envelope(&cx, &env, acker, Reason::ParkOverflow, &error, &source, None, tag).await;
+                let outcome = capture_envelope(&cx, &env, acker, reason, &error, &source, None, tag).await;
                 cx.record(None, &env.id, outcome);
             }
             Parks::new()
