@@ -367,6 +367,13 @@ async fn parked_groups_are_listed_by_the_admin_api_and_the_cli() {
     assert_eq!(parked[0]["group"], GROUP);
     assert_eq!(parked[0]["head"], head.id.as_str());
     assert_eq!(parked[0]["slot"], 0);
+    let (_, slots) = tokio::task::spawn_blocking(move || common::http::call("GET", port, "/v1/slots", None, b""))
+        .await
+        .unwrap();
+    assert_eq!(
+        slots["slots"][0]["parked"], 1,
+        "GET /v1/slots counts the slot's parked groups: {slots}"
+    );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
         .args(["groups", "list", "--admin", &format!("http://127.0.0.1:{port}")])
         .output()

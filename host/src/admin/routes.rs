@@ -65,10 +65,11 @@ pub async fn slot_status(s: &AdminState) -> anyhow::Result<Status> {
     let counters = s.stats.slots();
     for slot in &mut status.slots {
         if slot.owner.as_deref() == Some(s.node.as_str()) {
-            slot.in_flight = counters
+            let here = counters
                 .iter()
-                .find(|((t, n), _)| **t == *slot.topology && *n == slot.slot)
-                .map(|(_, c)| c.depth().1);
+                .find(|((t, n), _)| **t == *slot.topology && *n == slot.slot);
+            slot.in_flight = here.map(|(_, c)| c.depth().1);
+            slot.parked = here.map(|(_, c)| c.parked());
         }
     }
     for slot in &mut status.slots {

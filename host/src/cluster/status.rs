@@ -46,6 +46,10 @@ pub struct SlotStatus {
     /// Guest calls running on the slot now, when the answering node runs it.
     #[serde(default)]
     pub in_flight: Option<u64>,
+    /// Groups parked in the slot now (`on_failure = "park"`), when the
+    /// answering node runs it.
+    #[serde(default)]
+    pub parked: Option<u64>,
 }
 
 impl SlotStatus {
@@ -66,6 +70,7 @@ impl SlotStatus {
             lag: None,
             consumers: None,
             in_flight: None,
+            parked: None,
         }
     }
 
@@ -153,8 +158,8 @@ impl Status {
         let _ = writeln!(f, "slots ({}):", self.slots.len());
         let _ = writeln!(
             f,
-            "  {:<20} {:>5}  {:<24} {:>6}  {:<9} {:>8} {:>9} {:>9}",
-            "topology", "slot", "owner", "epoch", "state", "lag", "consumers", "in flight"
+            "  {:<20} {:>5}  {:<24} {:>6}  {:<9} {:>8} {:>9} {:>9} {:>6}",
+            "topology", "slot", "owner", "epoch", "state", "lag", "consumers", "in flight", "parked"
         );
         let unknown = |v: Option<String>| v.unwrap_or_else(|| "?".to_owned());
         for s in &self.slots {
@@ -167,7 +172,7 @@ impl Status {
             let (start, end) = if unowned { (red, reset) } else { ("", "") };
             let _ = writeln!(
                 f,
-                "{start}  {:<20} {:>5}  {:<24} {:>6}  {:<9} {:>8} {:>9} {:>9}{end}",
+                "{start}  {:<20} {:>5}  {:<24} {:>6}  {:<9} {:>8} {:>9} {:>9} {:>6}{end}",
                 s.topology,
                 s.slot,
                 owner,
@@ -176,6 +181,7 @@ impl Status {
                 unknown(s.lag.map(|l| l.to_string())),
                 unknown(s.consumers.map(|c| c.to_string())),
                 s.in_flight.map_or_else(|| "-".to_owned(), |n| n.to_string()),
+                s.parked.map_or_else(|| "-".to_owned(), |n| n.to_string()),
             );
         }
         let unowned = self.unowned();
