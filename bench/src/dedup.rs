@@ -1,4 +1,7 @@
-//! `weir-bench dedup`: what `handler.dedup` costs per message.
+//! `weir-bench dedup`: what `handler.dedup` costs per message, or with
+//! `--feature park` what `on_failure = "park"` costs when nothing fails
+//! (a message that parks on failure runs alone in its job, and each job
+//! of them is checked for groups to park).
 //!
 //! A Weir node (in this process) drains a backlog of N noop messages from
 //! the real broker, coordinated by the real store, with and without
@@ -11,7 +14,7 @@
 //! node's start (registration, first assignment) is in both walls alike.
 //!
 //! ```text
-//! weir-bench dedup [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G]
+//! weir-bench dedup [--feature dedup|park] [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G]
 //!                  [--amqp URL] [--nats URL] [--pg URL]
 //! ```
 
@@ -36,6 +39,8 @@ enum Store {
 }
 
 struct Opts {
+    /// Measure `on_failure = "park"` instead of `dedup`.
+    park: bool,
     store: Store,
     messages: u64,
     runs: usize,
@@ -47,6 +52,7 @@ struct Opts {
 
 fn parse(mut args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
     let mut o = Opts {
+        park: false,
         store: Store::Postgres,
         messages: 20_000,
         runs: 3,
@@ -55,11 +61,18 @@ fn parse(mut args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
         nats: std::env::var("WEIR_BENCH_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
         pg: std::env::var("WEIR_BENCH_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into()),
     };
-    let usage = "usage: weir-bench dedup [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G] \
+    let usage = "usage: weir-bench dedup [--feature dedup|park] [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G] \
                  [--amqp URL] [--nats URL] [--pg URL]";
     while let Some(a) = args.next() {
         let mut value = || args.next().with_context(|| format!("{a} needs a value\n{usage}"));
         match a.as_str() {
+            "--feature" => {
+                o.park = match value()?.as_str() {
+                    "dedup" => false,
+                    "park" => true,
+                    other => bail!("--feature {other:?}: accepted: dedup, park"),
+                }
+            }
             "--store" => {
                 o.store = match value()?.as_str() {
                     "postgres" => Store::Postgres,
@@ -120,8 +133,10 @@ async fn drain(o: &Opts, dedup: bool) -> anyhow::Result<f64> {
             (cfg, Arc::new(Nats::new(&o.nats, "weir-bench dedup node")), None)
         }
     };
-    if dedup {
-        cfg.handler[0].dedup = Some(config::Dedup { window: WINDOW });
+    match (dedup, o.park) {
+        (false, _) => {}
+        (true, false) => cfg.handler[0].dedup = Some(config::Dedup { window: WINDOW }),
+        (true, true) => cfg.handler[0].on_failure = config::OnFailure::Park,
     }
     let result = async {
         crate::preload_on(transport.as_ref(), &topo, SLOTS, o.messages, o.groups).await?;
@@ -165,13 +180,13 @@ async fn run(o: &Opts) -> anyhow::Result<()> {
     for r in 0..o.runs {
         let a = drain(o, false).await?;
         eprintln!(
-            "[weir-bench dedup] run {}/{}: {store}, dedup off: {a:.0} msg/s",
+            "[weir-bench dedup] run {}/{}: {store}, off: {a:.0} msg/s",
             r + 1,
             o.runs
         );
         let b = drain(o, true).await?;
         eprintln!(
-            "[weir-bench dedup] run {}/{}: {store}, dedup on:  {b:.0} msg/s",
+            "[weir-bench dedup] run {}/{}: {store}, on:  {b:.0} msg/s",
             r + 1,
             o.runs
         );
@@ -181,12 +196,17 @@ async fn run(o: &Opts) -> anyhow::Result<()> {
     }
     let (off, on, ratio) = (crate::median(&off), crate::median(&on), crate::median(&ratios));
     let added_us = (1.0 / on - 1.0 / off) * 1e6;
+    let feature = if o.park {
+        "on_failure = \"park\""
+    } else {
+        "handler.dedup"
+    };
     println!(
-        "handler.dedup on {store}: {} messages over {} groups, {SLOTS} slots, median of {} runs",
+        "{feature} on {store}: {} messages over {} groups, {SLOTS} slots, median of {} runs",
         o.messages, o.groups, o.runs
     );
-    println!("  dedup off        {off:>10.0} msg/s");
-    println!("  dedup on         {on:>10.0} msg/s");
+    println!("  off              {off:>10.0} msg/s");
+    println!("  on               {on:>10.0} msg/s");
     println!("  on / off         {ratio:>10.2} (median of the per-run ratios)");
     println!("  added per message {added_us:>9.1} µs of wall time");
     Ok(())
