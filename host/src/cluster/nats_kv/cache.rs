@@ -123,6 +123,7 @@ impl View {
                         );
                     }
                     None => {
+                        undecodable(key, e);
                         self.nodes.remove(&id);
                     }
                 },
@@ -133,18 +134,20 @@ impl View {
                 return;
             }
             self.forget_parsed(key);
-            if let Some(value) = decode::<SlotValue>(&e.value) {
-                if let Some(o) = value.owner {
-                    self.owned.entry(o).or_default().insert(slot.clone());
-                }
-                self.slots.insert(
-                    slot,
-                    SlotEntry {
-                        value,
-                        revision: e.revision,
-                    },
-                );
+            let Some(value) = decode::<SlotValue>(&e.value) else {
+                undecodable(key, e);
+                return;
+            };
+            if let Some(o) = value.owner {
+                self.owned.entry(o).or_default().insert(slot.clone());
             }
+            self.slots.insert(
+                slot,
+                SlotEntry {
+                    value,
+                    revision: e.revision,
+                },
+            );
         }
     }
 
@@ -345,6 +348,20 @@ async fn read_all(kv: &kv::Store, limit: Duration, revision_only: bool) -> anyho
     tokio::time::timeout(limit, read)
         .await
         .map_err(|_| anyhow::anyhow!("the coordination bucket `{}` was not read within {limit:?}", kv.name))?
+}
+
+/// A node or slot key whose value does not decode (written by hand, or by
+/// another program): it is left out of the view, so a slot stays
+/// unassigned until the value is fixed or the key deleted. Said once per
+/// change of the key.
+fn undecodable(key: &str, e: &Entry) {
+    tracing::warn!(
+        key,
+        revision = e.revision,
+        bytes = e.value.len(),
+        "a coordination bucket value that does not decode is ignored; a slot key like this stays unassigned \
+         until the value is fixed or the key is deleted"
+    );
 }
 
 #[cfg(test)]
