@@ -146,12 +146,51 @@ fn answer(what: &str, resp: ureq::http::Response<ureq::Body>) -> anyhow::Result<
     ))
 }
 
-/// Upload `file` as the handler's new version; prints what happened.
-pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> anyhow::Result<()> {
+/// `weir deploy --canary-slots …`: run the upload on some slots only.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CanaryArgs {
+    /// Run the version as a canary on these slots of the handler's topology
+    /// only: `0,1`, `0-2`, or a share like `10%` (the lowest slots). The
+    /// other slots keep the current version; finish with `weir promote` or
+    /// `weir rollback`.
+    #[arg(long = "canary-slots")]
+    pub canary_slots: Option<String>,
+    /// Roll the canary back by itself when more than this share (0 to 1) of
+    /// its settled messages is dead-lettered.
+    #[arg(long = "max-dead-letter-rate", requires = "canary_slots")]
+    pub max_dead_letter_rate: Option<f64>,
+    /// Roll the canary back by itself when more than this share (0 to 1) of
+    /// its settled messages goes to the retry ladder.
+    #[arg(long = "max-retry-rate", requires = "canary_slots")]
+    pub max_retry_rate: Option<f64>,
+    /// Settled canary messages before a rate is judged (default 20).
+    #[arg(long = "min-messages", requires = "canary_slots")]
+    pub min_messages: Option<u64>,
+}
+
+impl CanaryArgs {
+    fn query(&self) -> Vec<String> {
+        let mut q = Vec::new();
+        if let Some(s) = &self.canary_slots {
+            q.push(format!("canary_slots={}", encode(s)));
+        }
+        let rates = [
+            ("max_dead_letter_rate", self.max_dead_letter_rate),
+            ("max_retry_rate", self.max_retry_rate),
+        ];
+        q.extend(rates.iter().filter_map(|(k, v)| Some(format!("{k}={}", (*v)?))));
+        q.extend(self.min_messages.map(|n| format!("min_messages={n}")));
+        q
+    }
+}
+
+/// Upload `file` as the handler's new version (or its canary); prints what happened.
+pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String], canary: &CanaryArgs) -> anyhow::Result<()> {
     let bytes =
         std::fs::read(file).map_err(|e| fail(Class::Refused, format!("cannot read {}: {e}", file.display())))?;
     let mut query: Vec<String> = env.iter().map(|e| format!("env={}", encode(e))).collect();
     query.extend(dirs.iter().map(|d| format!("dir={}", encode(d))));
+    query.extend(canary.query());
     let url = if query.is_empty() {
         url(t, "")
     } else {
@@ -173,7 +212,9 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> a
         .send(&bytes[..])
         .map_err(|e| unanswered(t, "deploy", &e))?;
     let d = answer("deploy", resp)?;
-    if d["swapped"].as_bool() == Some(false) {
+    if canary.canary_slots.is_some() {
+        print_canary(t, &d);
+    } else if d["swapped"].as_bool() == Some(false) {
         println!("unchanged: `{}` already runs {}", t.handler, short(&d["digest"]));
     } else {
         let compiled = match d["compiled_ms"].as_u64() {
@@ -192,7 +233,59 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String]) -> a
     Ok(())
 }
 
-/// Make the previous version current again.
+fn print_canary(t: &Target<'_>, d: &serde_json::Value) {
+    let slots: Vec<String> = d["slots"]
+        .as_array()
+        .map(|a| a.iter().map(|s| s.to_string()).collect())
+        .unwrap_or_default();
+    let th = &d["thresholds"];
+    let mut rules = Vec::new();
+    for (k, what) in [("max_dead_letter_rate", "dead-letter"), ("max_retry_rate", "retry")] {
+        if let Some(r) = th[k].as_f64() {
+            rules.push(format!("{what} rate above {r}"));
+        }
+    }
+    let rollback = if rules.is_empty() {
+        "no threshold: it runs until you promote it or roll it back".to_owned()
+    } else {
+        format!(
+            "it rolls back by itself on a {} (judged after {} settled messages)",
+            rules.join(" or a "),
+            th["min_messages"]
+        )
+    };
+    println!(
+        "canary: `{}` runs {} on slots {} of {}; the other slots keep {} ({rollback})",
+        t.handler,
+        short(&d["digest"]),
+        slots.join(","),
+        d["topology_slots"],
+        short(&d["stable"]),
+    );
+    println!(
+        "  compare: weir status --admin {} --token …   finish: weir promote … or weir rollback … --handler {}",
+        t.admin, t.handler
+    );
+}
+
+/// Make the running canary the current version everywhere.
+pub fn promote(t: &Target<'_>) -> anyhow::Result<()> {
+    let resp = agent()
+        .post(&url(t, "/promote"))
+        .header("Authorization", &format!("Bearer {}", t.token))
+        .send_empty()
+        .map_err(|e| unanswered(t, "promote", &e))?;
+    let d = answer("promote", resp)?;
+    println!(
+        "promoted: `{}` now runs {} on every slot (was {})",
+        t.handler,
+        short(&d["digest"]),
+        short(&d["previous"])
+    );
+    Ok(())
+}
+
+/// Make the previous version current again, or end the running canary.
 pub fn rollback(t: &Target<'_>) -> anyhow::Result<()> {
     let resp = agent()
         .post(&url(t, "/rollback"))

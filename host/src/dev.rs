@@ -377,6 +377,7 @@ async fn rebuild_loop(
                 &wasm,
                 &[],
                 &[],
+                &deploy::CanaryArgs::default(),
             )
         })
         .await;

@@ -129,8 +129,16 @@ enum Command {
         /// Grant a read-only directory, `GUEST:HOST` (repeatable).
         #[arg(long = "grant-dir")]
         grant_dir: Vec<String>,
+        #[command(flatten)]
+        canary: deploy::CanaryArgs,
         /// The component.
         file: PathBuf,
+    },
+    /// Make a handler's running canary its current version on every slot
+    /// (and every node of a `postgres` cluster). Exit codes as for `deploy`.
+    Promote {
+        #[command(flatten)]
+        target: AdminTarget,
     },
     /// Run a handler component once per message, with no broker, under the
     /// limits a node gives it, and print the outcome (ok, retry, reject or a
@@ -215,7 +223,8 @@ enum Command {
         #[arg(long)]
         offline: bool,
     },
-    /// Make a handler's previous version current again (exit codes as for `deploy`).
+    /// Make a handler's previous version current again; while a canary runs,
+    /// end the canary instead (exit codes as for `deploy`).
     Rollback {
         #[command(flatten)]
         target: AdminTarget,
@@ -445,9 +454,14 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             target,
             grant_env,
             grant_dir,
+            canary,
             file,
         } => {
-            deploy::deploy(&target.as_target(), &file, &grant_env, &grant_dir)?;
+            deploy::deploy(&target.as_target(), &file, &grant_env, &grant_dir, &canary)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Promote { target } => {
+            deploy::promote(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Call {

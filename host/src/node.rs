@@ -513,6 +513,7 @@ fn all_slots(config: &Config) -> Vec<SlotKey> {
 /// Follow the cluster's deploys, and watch the components directory.
 fn follow_registry(config: &Config, registry: &Arc<Registry>, stop: &watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
     let mut followers: Vec<JoinHandle<()>> = registry.follow(stop.clone()).into_iter().collect();
+    followers.push(registry.guard(stop.clone()));
     if let Some(dir) = &config.node.components_dir {
         followers.push(registry.watch(dir.clone(), stop.clone()));
     }

@@ -68,6 +68,23 @@ struct ByTenant {
     tenants: HashMap<String, Binding>,
 }
 
+/// A handler's versions in the router: the stable one, and a canary that
+/// runs instead of it on some slots of the handler's topology.
+struct Installed {
+    stable: Arc<HandlerVersion>,
+    /// The canary and, by slot, whether it runs there.
+    canary: Option<(Arc<HandlerVersion>, Arc<[bool]>)>,
+}
+
+impl Installed {
+    fn on(&self, slot: u32) -> &Arc<HandlerVersion> {
+        match &self.canary {
+            Some((v, slots)) if slots.get(slot as usize).copied().unwrap_or(false) => v,
+            _ => &self.stable,
+        }
+    }
+}
+
 /// Bindings and handler versions. Swapping a version is one write here; the
 /// next call of every lane picks it up, calls already running finish on the
 /// version they started with.
@@ -76,7 +93,7 @@ pub struct Router {
     /// topology → message type → handler names. Looked up with borrowed
     /// keys: routing a message allocates nothing.
     bindings: HashMap<String, HashMap<String, ByTenant>>,
-    versions: RwLock<HashMap<String, Arc<HandlerVersion>>>,
+    versions: RwLock<HashMap<String, Installed>>,
     /// Finds pinned versions (set once the registry exists).
     resolver: RwLock<Option<std::sync::Weak<dyn PinResolver>>>,
 }
@@ -131,13 +148,53 @@ impl Router {
         n
     }
 
-    /// Install or replace the current version of a handler; the old one is retired.
+    /// Install or replace the current (stable) version of a handler; the
+    /// old one is retired. A canary, if any, stays on its slots.
     pub fn install(&self, version: Arc<HandlerVersion>) -> Option<Arc<HandlerVersion>> {
-        let old = self.versions.write().insert(version.name().to_owned(), version);
-        if let Some(o) = &old {
-            o.retire();
+        let mut versions = self.versions.write();
+        let canary = versions.get(version.name()).and_then(|i| i.canary.clone());
+        self.replace(&mut versions, version, canary).0
+    }
+
+    /// Install `stable` and `canary` (on `slots` of the handler's topology)
+    /// in one write, so no call sees one without the other; the versions they
+    /// replace are retired. Returns the replaced (stable, canary).
+    pub fn install_with_canary(
+        &self,
+        stable: Arc<HandlerVersion>,
+        canary: Option<(Arc<HandlerVersion>, &[u32])>,
+    ) -> (Option<Arc<HandlerVersion>>, Option<Arc<HandlerVersion>>) {
+        let canary = canary.map(|(v, slots)| {
+            let len = slots.iter().max().map_or(0, |m| *m as usize + 1);
+            let mut on = vec![false; len];
+            for s in slots {
+                on[*s as usize] = true;
+            }
+            (v, Arc::from(on))
+        });
+        self.replace(&mut self.versions.write(), stable, canary)
+    }
+
+    fn replace(
+        &self,
+        versions: &mut HashMap<String, Installed>,
+        stable: Arc<HandlerVersion>,
+        canary: Option<(Arc<HandlerVersion>, Arc<[bool]>)>,
+    ) -> (Option<Arc<HandlerVersion>>, Option<Arc<HandlerVersion>>) {
+        let keep: Vec<u64> = std::iter::once(stable.id)
+            .chain(canary.as_ref().map(|(v, _)| v.id))
+            .collect();
+        let old = versions.insert(stable.name().to_owned(), Installed { stable, canary });
+        let Some(old) = old else {
+            return (None, None);
+        };
+        let old_canary = old.canary.map(|(v, _)| v);
+        for v in std::iter::once(&old.stable).chain(old_canary.as_ref()) {
+            if !keep.contains(&v.id) {
+                v.retire();
+            }
         }
-        old
+        (Some(old.stable), old_canary)
     }
 
     /// Where pinned versions come from (the registry; held weakly, since
@@ -155,7 +212,11 @@ impl Router {
         digest: &str,
     ) -> Result<Arc<HandlerVersion>, PinError> {
         let name = self.handler_name(topology, env).ok_or(PinError::NoHandler)?;
-        if let Some(current) = self.version(name).filter(|v| v.digest == digest) {
+        if let Some(current) = self
+            .version(name)
+            .filter(|v| v.digest == digest)
+            .or_else(|| self.canary(name).filter(|v| v.digest == digest))
+        {
             return Ok(current);
         }
         let resolver = self.resolver.read().as_ref().and_then(std::sync::Weak::upgrade);
@@ -168,19 +229,31 @@ impl Router {
         resolver.pinned(name, digest).await.map_err(PinError::Unresolvable)
     }
 
-    /// The current version of `name`.
+    /// The current (stable) version of `name`.
     pub fn version(&self, name: &str) -> Option<Arc<HandlerVersion>> {
-        self.versions.read().get(name).cloned()
+        self.versions.read().get(name).map(|i| i.stable.clone())
     }
 
-    /// Every installed handler.
+    /// The canary of `name`, if one runs.
+    pub fn canary(&self, name: &str) -> Option<Arc<HandlerVersion>> {
+        self.versions.read().get(name)?.canary.as_ref().map(|(v, _)| v.clone())
+    }
+
+    /// Every installed version: each handler's stable one and its canary.
     pub fn versions(&self) -> Vec<Arc<HandlerVersion>> {
-        self.versions.read().values().cloned().collect()
+        self.versions
+            .read()
+            .values()
+            .flat_map(|i| std::iter::once(i.stable.clone()).chain(i.canary.as_ref().map(|(v, _)| v.clone())))
+            .collect()
     }
 
-    /// The handler for a message, or `None` (dead-letter `no-handler`).
-    pub fn route(&self, topology: &str, env: &Envelope) -> Option<Arc<HandlerVersion>> {
-        self.version(self.handler_name(topology, env)?)
+    /// The version a message of slot `slot` runs on (its handler's canary on
+    /// the canary's slots, else the stable one), or `None` (dead-letter
+    /// `no-handler`).
+    pub fn route(&self, topology: &str, slot: u32, env: &Envelope) -> Option<Arc<HandlerVersion>> {
+        let name = self.handler_name(topology, env)?;
+        self.versions.read().get(name).map(|i| i.on(slot).clone())
     }
 
     /// Park the group of a failed message (`on_failure = "park"`) for the

@@ -72,15 +72,107 @@ pub fn get_json<T: serde::de::DeserializeOwned>(
     serde_json::from_str(&text).with_context(|| format!("{url} did not answer {shape}: {text}"))
 }
 
-/// The cluster once.
-fn read(req: &Request) -> anyhow::Result<Status> {
+/// The running canaries as `GET /v1/handlers` shows them (those with a
+/// `canary`), from the first admin listener that answers.
+fn canaries_from_admin(admins: &[String], token: Option<&str>) -> Vec<Canary> {
+    for a in admins {
+        match get_json::<serde_json::Value>(a, "/v1/handlers", token, "the handlers", "a list of handlers") {
+            Ok(list) => {
+                return list["handlers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|h| {
+                        Some(Canary {
+                            handler: h["name"].as_str()?.to_owned(),
+                            canary: Some(h["canary"].clone()).filter(|c| !c.is_null())?,
+                        })
+                    })
+                    .collect();
+            }
+            Err(e) => tracing::warn!(admin = %a, error = %format!("{e:#}"), "cannot read the handlers' canaries"),
+        }
+    }
+    Vec::new()
+}
+
+/// A running canary and its comparison with the stable version.
+#[derive(serde::Serialize)]
+struct Canary {
+    handler: String,
+    #[serde(flatten)]
+    canary: serde_json::Value,
+}
+
+/// The canaries as a table below the slots.
+fn render_canaries(list: &[Canary]) -> String {
+    use std::fmt::Write as _;
+    if list.is_empty() {
+        return String::new();
+    }
+    let pct = |v: &serde_json::Value| v.as_f64().map_or("-".to_owned(), |r| format!("{:.1}%", r * 100.0));
+    let ms = |v: &serde_json::Value| v.as_f64().map_or("-".to_owned(), |m| format!("{m:.2}"));
+    let mut out = String::from("\ncanaries (since each began; scope: cluster = every node's calls, node = one node's)\n");
+    let _ = writeln!(
+        out,
+        "{:<16} {:<8} {:<14} {:<12} {:>8} {:>9} {:>8} {:>9} {:>9}",
+        "handler", "side", "version", "slots", "settled", "handled", "retry", "dead-let", "mean ms"
+    );
+    for c in list {
+        let v = &c.canary;
+        let slots: Vec<String> = v["slots"]
+            .as_array()
+            .map(|a| a.iter().map(|s| s.to_string()).collect())
+            .unwrap_or_default();
+        for side in ["canary", "stable"] {
+            let x = &v["compare"][side];
+            let on = if side == "canary" {
+                slots.join(",")
+            } else {
+                "the others".to_owned()
+            };
+            let _ = writeln!(
+                out,
+                "{:<16} {:<8} {:<14} {:<12} {:>8} {:>9} {:>8} {:>9} {:>9}",
+                c.handler,
+                side,
+                x["digest"].as_str().unwrap_or("").chars().take(12).collect::<String>(),
+                on,
+                x["settled"],
+                pct(&x["handled_rate"]),
+                pct(&x["retry_rate"]),
+                pct(&x["dead_letter_rate"]),
+                ms(&x["mean_call_ms"]),
+            );
+        }
+        let th = &v["thresholds"];
+        let mut rules = Vec::new();
+        for (k, what) in [("max_dead_letter_rate", "dead-letter"), ("max_retry_rate", "retry")] {
+            if let Some(r) = th[k].as_f64() {
+                rules.push(format!("{what} rate > {r}"));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "{:<16} rolls back by itself on: {} (scope {})",
+            "",
+            if rules.is_empty() { "nothing (no threshold)".to_owned() } else { rules.join(" or ") },
+            v["compare"]["scope"].as_str().unwrap_or("?")
+        );
+    }
+    out
+}
+
+/// The cluster once, and its running canaries when a node was asked.
+fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
     if !req.admin.is_empty() {
         let views = req
             .admin
             .iter()
             .map(|a| from_admin(a, req.token.as_deref()))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        return Ok(Status::merge(views));
+        let canaries = canaries_from_admin(&req.admin, req.token.as_deref());
+        return Ok((Status::merge(views), canaries));
     }
     let Some(path) = &req.config else {
         bail!("say where to look: --config FILE (postgres or nats-kv mode, or a node with node.admin) or --admin URL");
@@ -96,7 +188,9 @@ fn read(req: &Request) -> anyhow::Result<Status> {
             );
         };
         let token = req.token.clone().or_else(|| cfg.node.admin_token.clone());
-        return from_admin(&format!("http://{addr}"), token.as_deref());
+        let admin = format!("http://{addr}");
+        let canaries = canaries_from_admin(std::slice::from_ref(&admin), token.as_deref());
+        return Ok((from_admin(&admin, token.as_deref())?, canaries));
     }
     crate::runtime()?.block_on(async {
         let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
@@ -140,7 +234,15 @@ fn read(req: &Request) -> anyhow::Result<Status> {
                 }
             }
         }
-        anyhow::Ok(status)
+        // The canaries a node's admin listener shows, when the config names one.
+        let canaries = match cfg.node.admin {
+            Some(addr) => {
+                let token = req.token.clone().or_else(|| cfg.node.admin_token.clone());
+                canaries_from_admin(&[format!("http://{addr}")], token.as_deref())
+            }
+            None => Vec::new(),
+        };
+        anyhow::Ok((status, canaries))
     })
 }
 
@@ -149,11 +251,13 @@ pub fn run(req: Request) -> anyhow::Result<ExitCode> {
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let colour = terminal && std::env::var_os("NO_COLOR").is_none();
     loop {
-        let status = read(&req)?;
+        let (status, canaries) = read(&req)?;
         let text = if req.json {
-            format!("{}\n", serde_json::to_string_pretty(&status)?)
+            let mut v = serde_json::to_value(&status)?;
+            v["canaries"] = serde_json::to_value(&canaries)?;
+            format!("{}\n", serde_json::to_string_pretty(&v)?)
         } else {
-            status.render(colour)
+            status.render(colour) + &render_canaries(&canaries)
         };
         match req.watch {
             None => {

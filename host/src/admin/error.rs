@@ -18,7 +18,7 @@ pub(super) fn deploy_error(e: DeployError) -> Response {
         DeployError::Forbidden(_) => StatusCode::FORBIDDEN,
         DeployError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
         DeployError::Invalid(_) => StatusCode::BAD_REQUEST,
-        DeployError::NoPrevious(_) => StatusCode::CONFLICT,
+        DeployError::NoPrevious(_) | DeployError::Conflict(_) => StatusCode::CONFLICT,
         DeployError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
     (status, error_body(&e.to_string())).into_response()

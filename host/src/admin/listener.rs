@@ -44,6 +44,7 @@ pub async fn serve(
         .route("/v1/handlers", get(handlers))
         .route("/v1/handlers/{name}", get(handler).put(deploy))
         .route("/v1/handlers/{name}/rollback", post(rollback))
+        .route("/v1/handlers/{name}/promote", post(super::routes::promote))
         .route("/v1/topologies/{topology}/messages", post(super::messages::publish))
         .route("/v1/dead-letters", get(dead_letters::list))
         .route("/v1/dead-letters/redrive", post(dead_letters::redrive))

@@ -11,6 +11,7 @@ use super::error::{deploy_error, error_body};
 use super::state::AdminState;
 use super::upload::{closing, refuse, spool};
 use crate::cluster::status::{SlotStatus, Status};
+use crate::registry::canary::Thresholds;
 use crate::registry::{DeployError, DirGrant, Grants, Upload};
 
 pub(super) async fn ready(State(s): State<Arc<AdminState>>) -> Response {
@@ -208,15 +209,40 @@ pub(super) async fn handler(
     }
 }
 
-/// `?env=NAME&dir=GUEST:HOST`, repeatable; `None` when neither is given.
-fn parse_grants(query: Option<&str>) -> Result<Option<Grants>, String> {
+/// A deploy's query: grants, and whether it is a canary.
+#[derive(Default)]
+struct DeployAsk {
+    /// `None`: what the config gives.
+    grants: Option<Grants>,
+    /// `canary_slots=0,1` (or `10%`).
+    canary_slots: Option<String>,
+    thresholds: Thresholds,
+}
+
+/// `?env=NAME&dir=GUEST:HOST` (repeatable; grants are `None` when neither is
+/// given), and for a canary `canary_slots=0,1|10%` with optional
+/// `max_dead_letter_rate`, `max_retry_rate` and `min_messages`.
+fn parse_deploy(query: Option<&str>) -> Result<DeployAsk, String> {
     let Some(q) = query.filter(|q| !q.is_empty()) else {
-        return Ok(None);
+        return Ok(DeployAsk::default());
     };
+    let mut ask = DeployAsk::default();
     let mut g = Grants::default();
     let mut any = false;
+    let rate = |k: &str, v: &str| {
+        v.parse::<f64>()
+            .map_err(|_| format!("{k}={v:?}: accepted: a rate from 0 to 1, e.g. 0.05"))
+    };
     for (k, v) in form_urlencoded::parse(q.as_bytes()) {
         match &*k {
+            "canary_slots" => ask.canary_slots = Some(v.into_owned()),
+            "max_dead_letter_rate" => ask.thresholds.max_dead_letter_rate = Some(rate(&k, &v)?),
+            "max_retry_rate" => ask.thresholds.max_retry_rate = Some(rate(&k, &v)?),
+            "min_messages" => {
+                ask.thresholds.min_messages = v
+                    .parse()
+                    .map_err(|_| format!("min_messages={v:?}: accepted: a whole number, e.g. 20"))?;
+            }
             "env" => {
                 any = true;
                 g.env.push(v.into_owned());
@@ -234,12 +260,17 @@ fn parse_grants(query: Option<&str>) -> Result<Option<Grants>, String> {
             "grants" if v == "none" => any = true,
             other => {
                 return Err(format!(
-                    "unknown query parameter {other:?}; accepted: env, dir, grants=none"
+                    "unknown query parameter {other:?}; accepted: env, dir, grants=none, canary_slots, \
+                     max_dead_letter_rate, max_retry_rate, min_messages"
                 ));
             }
         }
     }
-    Ok(any.then_some(g))
+    if ask.canary_slots.is_none() && ask.thresholds != Thresholds::default() {
+        return Err("max_dead_letter_rate, max_retry_rate and min_messages apply to a canary: add canary_slots".into());
+    }
+    ask.grants = any.then_some(g);
+    Ok(ask)
 }
 
 pub(super) async fn deploy(
@@ -261,8 +292,8 @@ pub(super) async fn deploy(
     if let Err(e) = s.registry.access(&caller, &name) {
         return refuse(body, &s.limits, expects, deploy_error(e)).await;
     }
-    let grants = match parse_grants(query.as_deref()) {
-        Ok(g) => g,
+    let ask = match parse_deploy(query.as_deref()) {
+        Ok(a) => a,
         Err(e) => {
             return refuse(
                 body,
@@ -297,10 +328,21 @@ pub(super) async fn deploy(
         path: spooled.path.clone(),
         size: spooled.size,
     };
-    let result = s.registry.deploy_from(&caller, &name, upload, grants, "admin").await;
+    let result = match ask.canary_slots {
+        Some(slots) => s
+            .registry
+            .start_canary(&caller, &name, upload, ask.grants, &slots, ask.thresholds)
+            .await
+            .map(|c| axum::Json(c).into_response()),
+        None => s
+            .registry
+            .deploy_from(&caller, &name, upload, ask.grants, "admin")
+            .await
+            .map(|d| axum::Json(d).into_response()),
+    };
     drop(spooled);
     match result {
-        Ok(d) => axum::Json(d).into_response(),
+        Ok(r) => r,
         Err(e) => {
             tracing::warn!(handler = %name, error = %e, "deploy refused; the running version stays");
             deploy_error(e)
@@ -320,6 +362,23 @@ pub(super) async fn rollback(
         Err(d) => return d.into_response(),
     };
     match s.registry.rollback(&caller, &name).await {
+        Ok(d) => axum::Json(d).into_response(),
+        Err(e) => deploy_error(e),
+    }
+}
+
+/// `POST /v1/handlers/{name}/promote`: the running canary becomes the
+/// current version on every slot (and every node, in `postgres` mode).
+pub(super) async fn promote(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let caller = match s.auth.writer(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    match s.registry.promote(&caller, &name).await {
         Ok(d) => axum::Json(d).into_response(),
         Err(e) => deploy_error(e),
     }

@@ -61,7 +61,7 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
     // A message pinned to a version (a redrive's `--handler-version`) runs
     // on it, or is dead-lettered `no-handler` saying why it cannot.
     let routed = match env.header(header::HANDLER_PIN) {
-        None => p.router.route(&s.topology, &env).ok_or(None),
+        None => p.router.route(&s.topology, s.slot, &env).ok_or(None),
         Some(pin) => {
             let pin = pin.to_owned();
             match p.router.route_pinned(&s.topology, &env, &pin).await {

@@ -114,6 +114,11 @@ impl HandlerMetrics {
     /// A call ended after `d`.
     pub fn exit(&self, d: Duration) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.called(d);
+    }
+
+    /// A call that took `d` ended (a version's own tally: no in-flight gauge).
+    pub fn called(&self, d: Duration) {
         let secs = d.as_secs_f64();
         let i = CALL_BUCKETS
             .iter()

@@ -83,31 +83,12 @@ impl Registry {
     ) -> Result<Deployed, DeployError> {
         let started = std::time::Instant::now();
         let spec = self.authorize(caller, name)?;
-        let size = upload.size();
-        if size > self.max_size {
-            return Err(DeployError::TooLarge {
-                size,
-                max: self.max_size,
-            });
-        }
+        self.check_size(&upload)?;
         let grants = grants.unwrap_or_else(|| spec.config_grants.clone());
         self.check_grants(spec, &grants)?;
         let _queue = self.queue(caller).lock_owned().await;
         let _changing = self.changing(name).await;
-        let bytes = match upload {
-            Upload::Bytes(b) => b,
-            Upload::File { path, .. } => tokio::task::spawn_blocking(move || std::fs::read(&path))
-                .await
-                .map_err(|e| DeployError::Store(anyhow::anyhow!("reading the upload: {e}")))?
-                .map_err(|e| DeployError::Store(anyhow::Error::from(e).context("reading the upload back from disk")))?,
-        };
-        if bytes.len() > self.max_size {
-            return Err(DeployError::TooLarge {
-                size: bytes.len(),
-                max: self.max_size,
-            });
-        }
-        let bytes: Arc<[u8]> = Arc::from(bytes);
+        let bytes: Arc<[u8]> = Arc::from(self.read_upload(upload).await?);
         let new_digest = digest(&bytes);
         let (current, same) = {
             let states = self.states.lock();
@@ -148,7 +129,36 @@ impl Registry {
         })
     }
 
-    /// Make the version before the current one current again.
+    /// Size checks first: an upload larger than `node.max_component_size` is refused.
+    pub(super) fn check_size(&self, upload: &Upload) -> Result<(), DeployError> {
+        match upload.size() {
+            size if size > self.max_size => Err(DeployError::TooLarge { size, max: self.max_size }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The upload's bytes (read from its spool file only now, when its turn
+    /// in the caller's queue came), checked against `node.max_component_size`.
+    pub(super) async fn read_upload(&self, upload: Upload) -> Result<Vec<u8>, DeployError> {
+        let bytes = match upload {
+            Upload::Bytes(b) => b,
+            Upload::File { path, .. } => tokio::task::spawn_blocking(move || std::fs::read(&path))
+                .await
+                .map_err(|e| DeployError::Store(anyhow::anyhow!("reading the upload: {e}")))?
+                .map_err(|e| DeployError::Store(anyhow::Error::from(e).context("reading the upload back from disk")))?,
+        };
+        if bytes.len() > self.max_size {
+            return Err(DeployError::TooLarge {
+                size: bytes.len(),
+                max: self.max_size,
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Make the version before the current one current again; while a
+    /// canary runs, end the canary instead (every slot runs the stable
+    /// version again, which stays current).
     pub async fn rollback(&self, caller: &Caller, name: &str) -> Result<Deployed, DeployError> {
         let started = std::time::Instant::now();
         self.authorize(caller, name)?;
@@ -157,6 +167,17 @@ impl Registry {
         if let Store::Postgres(pool) = &self.store {
             // Another node may have deployed since: roll back the cluster's current.
             self.sync_one(pool, name).await.map_err(DeployError::Store)?;
+        }
+        if let Some(ended) = self.end_canary_locked(name, "operator".into()).await? {
+            return Ok(Deployed {
+                handler: name.to_owned(),
+                digest: self.router.version(name).map(|v| v.digest.clone()).unwrap_or_default(),
+                previous: Some(ended.digest),
+                swapped: true,
+                kept_in: self.store.label(),
+                took_ms: elapsed_ms(started),
+                compiled_ms: None,
+            });
         }
         let (current, target) = {
             let states = self.states.lock();

@@ -30,6 +30,7 @@
 //! cluster's deploys and the watched directory); this one loads the
 //! configured handlers and answers what the registry holds.
 
+pub mod canary;
 pub mod deploy;
 pub mod pin;
 pub mod settings;
@@ -67,6 +68,8 @@ const WATCH_POLL: Duration = Duration::from_millis(500);
 /// A configured handler: what stays the same across its versions.
 struct Spec {
     topology: String,
+    /// Slots in its topology (a canary runs on some of them).
+    slots: u32,
     tenant: Option<String>,
     /// Limits, config table and shared admission; grants are per version.
     settings: HandlerSettings,
@@ -178,6 +181,12 @@ pub struct Registry {
     pinned: Mutex<Vec<Arc<HandlerVersion>>>,
     /// One pinned version compiles at a time.
     pin_compiles: tokio::sync::Mutex<()>,
+    /// Canaries this node runs, by handler ([`canary`]).
+    canaries: Mutex<HashMap<String, canary::Running>>,
+    /// How each handler's last canary ended.
+    ended: Mutex<HashMap<String, canary::Ended>>,
+    /// Canary ids outside `postgres` mode.
+    canary_ids: std::sync::atomic::AtomicI64,
 }
 
 impl Registry {
@@ -199,6 +208,11 @@ impl Registry {
                 h.name.clone(),
                 Spec {
                     topology: h.topology.clone(),
+                    slots: config
+                        .topology
+                        .iter()
+                        .find(|t| t.name == h.topology)
+                        .map_or(1, |t| t.slots),
                     tenant: h.tenant.clone(),
                     settings: base_settings(h, config, &shares),
                     config_grants: config_grants(h),
@@ -235,6 +249,9 @@ impl Registry {
             refused: std::sync::atomic::AtomicU64::new(0),
             pinned: Mutex::new(Vec::new()),
             pin_compiles: tokio::sync::Mutex::new(()),
+            canaries: Mutex::new(HashMap::new()),
+            ended: Mutex::new(HashMap::new()),
+            canary_ids: std::sync::atomic::AtomicI64::new(0),
         });
         let resolver: Arc<dyn crate::router::PinResolver> = registry.clone();
         registry.router.set_resolver(Arc::downgrade(&resolver));
@@ -351,7 +368,18 @@ impl Registry {
             write_dir_history(dir, name, &config_digest, &state.activations)?;
         }
         self.states.lock().insert(name.to_owned(), state);
-        self.router.install(version);
+        self.router.install(version.clone());
+        let canary = match &self.store {
+            Store::Memory => None,
+            Store::Dir(dir) => store::read_canary(dir, name)?,
+            Store::Postgres(pool) => pg::live_canary(pool, name).await?,
+        };
+        if let Some(c) = &canary {
+            self.canary_ids.fetch_max(c.id, std::sync::atomic::Ordering::Relaxed);
+            if let Err(e) = self.follow_canary(name, version, canary.clone()).await {
+                tracing::error!(handler = name, digest = %c.digest, error = %format!("{e:#}"), "cannot run the stored canary; every slot runs the stable version");
+            }
+        }
         Ok(())
     }
 
@@ -535,7 +563,16 @@ impl Registry {
                     tenant: spec.tenant.clone(),
                     current: state.current()?.clone(),
                     history: state.chain(),
+                    canary: None,
+                    last_canary: None,
                 })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|mut h| {
+                h.canary = self.canary(&h.name);
+                h.last_canary = self.last_canary(&h.name);
+                h
             })
             .collect()
     }

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
+use super::canary::Canary;
 use super::types::Activation;
 
 /// Where versions are kept.
@@ -51,6 +52,33 @@ pub fn write_dir_history(
     write_atomic(&dir.join("handlers").join(format!("{name}.json")), &bytes)
 }
 
+/// `node.data_dir/handlers/{name}.canary.json`: the running canary, or none
+/// (the file is removed).
+pub fn write_canary(dir: &Path, name: &str, canary: Option<&Canary>) -> anyhow::Result<()> {
+    let path = dir.join("handlers").join(format!("{name}.canary.json"));
+    match canary {
+        Some(c) => write_atomic(&path, &serde_json::to_vec_pretty(c).context("encoding a canary")?),
+        None => match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(e).with_context(|| format!("removing {}", path.display()))
+            }
+            _ => Ok(()),
+        },
+    }
+}
+
+/// The canary `write_canary` left, if any.
+pub fn read_canary(dir: &Path, name: &str) -> anyhow::Result<Option<Canary>> {
+    let path = dir.join("handlers").join(format!("{name}.canary.json"));
+    match std::fs::read(&path) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .with_context(|| format!("node.data_dir: {} is not a canary", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
 /// `node.data_dir/components/{digest}.wasm`, once.
 pub fn write_component(dir: &Path, digest_hex: &str, bytes: &[u8]) -> anyhow::Result<()> {
     let path = dir.join("components").join(format!("{digest_hex}.wasm"));
@@ -75,6 +103,7 @@ pub mod pg {
     use anyhow::Context as _;
     use sqlx::{PgPool, Row as _};
 
+    use super::super::canary::{Canary, Tally};
     use super::super::types::{Activation, Grants};
 
     /// Notified with the handler name after every activation.
@@ -120,31 +149,60 @@ pub mod pg {
     /// Store the version (once) and append an activation whose `previous` is
     /// `a.previous`, or, for a deploy, the cluster's current one.
     pub async fn activate(pool: &PgPool, name: &str, bytes: &[u8], a: Activation) -> anyhow::Result<Activation> {
+        let mut tx = begin(pool, name).await?;
+        let a = activate_in(&mut tx, name, bytes, a).await?;
+        notify(&mut tx, name).await?;
+        tx.commit().await.context("deploying: commit failed")?;
+        Ok(a)
+    }
+
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    /// A transaction holding the handler's lock (one change at a time per handler, cluster-wide).
+    async fn begin(pool: &PgPool, name: &str) -> anyhow::Result<Tx> {
         let mut tx = pool.begin().await.context("deploying: database unavailable")?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('weir_handler:' || $1))")
             .bind(name)
             .execute(&mut *tx)
             .await?;
-        if !bytes.is_empty() {
-            sqlx::query(
-                "INSERT INTO weir_handler_versions (name, digest, component, size) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (name, digest) DO NOTHING",
-            )
+        Ok(tx)
+    }
+
+    async fn notify(tx: &mut Tx, name: &str) -> anyhow::Result<()> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(CHANNEL)
             .bind(name)
-            .bind(&a.digest)
-            .bind(bytes)
-            .bind(i64::try_from(bytes.len()).unwrap_or(i64::MAX))
-            .execute(&mut *tx)
-            .await
-            .context("storing the component")?;
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn store_version(tx: &mut Tx, name: &str, digest: &str, bytes: &[u8]) -> anyhow::Result<()> {
+        sqlx::query(
+            "INSERT INTO weir_handler_versions (name, digest, component, size) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (name, digest) DO NOTHING",
+        )
+        .bind(name)
+        .bind(digest)
+        .bind(bytes)
+        .bind(i64::try_from(bytes.len()).unwrap_or(i64::MAX))
+        .execute(&mut **tx)
+        .await
+        .context("storing the component")?;
+        Ok(())
+    }
+
+    async fn activate_in(tx: &mut Tx, name: &str, bytes: &[u8], a: Activation) -> anyhow::Result<Activation> {
+        if !bytes.is_empty() {
+            store_version(tx, name, &a.digest, bytes).await?;
         }
+        let tx = &mut **tx;
         let current: Option<i64> = sqlx::query_scalar("SELECT max(seq) FROM weir_handler_activations WHERE name = $1")
             .bind(name)
             .fetch_one(&mut *tx)
             .await?;
         if a.source == "config" && current.is_some() {
             // Another node recorded the cluster's first version already.
-            tx.commit().await?;
             return Ok(a);
         }
         let previous = if a.source == "rollback" { a.previous } else { current };
@@ -162,12 +220,139 @@ pub mod pg {
         .fetch_one(&mut *tx)
         .await
         .context("recording the activation")?;
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(CHANNEL)
-            .bind(name)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await.context("deploying: commit failed")?;
         Ok(Activation { seq, previous, ..a })
+    }
+
+    const CANARY_COLUMNS: &str = "id, digest, slots, thresholds, grants, node, (extract(epoch FROM started_at) * 1000)::bigint AS started_ms";
+
+    fn canary_of(r: &sqlx::postgres::PgRow) -> anyhow::Result<Canary> {
+        let slots: Vec<i32> = r.try_get("slots")?;
+        Ok(Canary {
+            id: r.try_get("id")?,
+            digest: r.try_get("digest")?,
+            slots: slots.into_iter().filter_map(|s| u32::try_from(s).ok()).collect(),
+            thresholds: serde_json::from_value(r.try_get("thresholds")?).unwrap_or_default(),
+            grants: serde_json::from_value(r.try_get("grants")?).unwrap_or_default(),
+            started_ms: r.try_get("started_ms")?,
+            node: r.try_get("node")?,
+        })
+    }
+
+    /// Store the canary's version and start it; refused when one is live.
+    pub async fn start_canary(pool: &PgPool, name: &str, bytes: &[u8], c: Canary) -> anyhow::Result<Canary> {
+        let mut tx = begin(pool, name).await?;
+        store_version(&mut tx, name, &c.digest, bytes).await?;
+        let slots: Vec<i32> = c.slots.iter().map(|s| *s as i32).collect();
+        let row = sqlx::query(&format!(
+            "INSERT INTO weir_handler_canaries (name, digest, slots, thresholds, grants, node)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING RETURNING {CANARY_COLUMNS}"
+        ))
+        .bind(name)
+        .bind(&c.digest)
+        .bind(&slots)
+        .bind(serde_json::to_value(&c.thresholds)?)
+        .bind(serde_json::to_value(&c.grants)?)
+        .bind(&c.node)
+        .fetch_optional(&mut *tx)
+        .await
+        .context("recording the canary")?
+        .with_context(|| format!("another node started a canary of `{name}` meanwhile"))?;
+        notify(&mut tx, name).await?;
+        tx.commit().await.context("starting the canary: commit failed")?;
+        canary_of(&row)
+    }
+
+    /// The live canary of `name`, if any.
+    pub async fn live_canary(pool: &PgPool, name: &str) -> anyhow::Result<Option<Canary>> {
+        let row = sqlx::query(&format!(
+            "SELECT {CANARY_COLUMNS} FROM weir_handler_canaries WHERE name = $1 AND ended_at IS NULL"
+        ))
+        .bind(name)
+        .fetch_optional(pool)
+        .await
+        .with_context(|| format!("reading the canary of `{name}` from the database"))?;
+        row.as_ref().map(canary_of).transpose()
+    }
+
+    /// How the latest ended canary of `name` ended: (canary, outcome, reason, ended at ms).
+    pub async fn last_ended(pool: &PgPool, name: &str) -> anyhow::Result<Option<(Canary, String, String, i64)>> {
+        let row = sqlx::query(&format!(
+            "SELECT {CANARY_COLUMNS}, outcome, reason, (extract(epoch FROM ended_at) * 1000)::bigint AS ended_ms
+             FROM weir_handler_canaries WHERE name = $1 AND ended_at IS NOT NULL ORDER BY ended_at DESC LIMIT 1"
+        ))
+        .bind(name)
+        .fetch_optional(pool)
+        .await?;
+        row.map(|r| Ok((canary_of(&r)?, r.try_get("outcome")?, r.try_get("reason")?, r.try_get("ended_ms")?)))
+            .transpose()
+    }
+
+    /// End canary `id` of `name` (still live) as `outcome`.
+    async fn end_in(tx: &mut Tx, name: &str, id: i64, outcome: &str, reason: &str) -> anyhow::Result<()> {
+        let n = sqlx::query(
+            "UPDATE weir_handler_canaries SET ended_at = now(), outcome = $3, reason = $4
+             WHERE name = $1 AND id = $2 AND ended_at IS NULL",
+        )
+        .bind(name)
+        .bind(id)
+        .bind(outcome)
+        .bind(reason)
+        .execute(&mut **tx)
+        .await
+        .context("ending the canary")?
+        .rows_affected();
+        anyhow::ensure!(n == 1, "the canary of `{name}` was ended meanwhile, on another node");
+        Ok(())
+    }
+
+    /// Roll back canary `id` of `name`.
+    pub async fn end_canary(pool: &PgPool, name: &str, id: i64, outcome: &str, reason: &str) -> anyhow::Result<()> {
+        let mut tx = begin(pool, name).await?;
+        end_in(&mut tx, name, id, outcome, reason).await?;
+        notify(&mut tx, name).await?;
+        tx.commit().await.context("ending the canary: commit failed")
+    }
+
+    /// Promote canary `id`: end it and activate its version, in one transaction.
+    pub async fn promote(pool: &PgPool, name: &str, id: i64, a: Activation) -> anyhow::Result<Activation> {
+        let mut tx = begin(pool, name).await?;
+        end_in(&mut tx, name, id, "promoted", "operator").await?;
+        let a = activate_in(&mut tx, name, &[], a).await?;
+        notify(&mut tx, name).await?;
+        tx.commit().await.context("promoting: commit failed")?;
+        Ok(a)
+    }
+
+    /// Write this node's tally of canary `id`; returns the cluster's sums (canary, stable).
+    pub async fn tally_canary(
+        pool: &PgPool,
+        id: i64,
+        node: &str,
+        canary: &Tally,
+        stable: &Tally,
+    ) -> anyhow::Result<(Tally, Tally)> {
+        sqlx::query(
+            "INSERT INTO weir_handler_canary_tallies (canary, node, canary_tally, stable_tally) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (canary, node) DO UPDATE SET canary_tally = $3, stable_tally = $4, at = now()",
+        )
+        .bind(id)
+        .bind(node)
+        .bind(serde_json::to_value(canary)?)
+        .bind(serde_json::to_value(stable)?)
+        .execute(pool)
+        .await
+        .context("writing the canary's tally")?;
+        let rows = sqlx::query("SELECT canary_tally, stable_tally FROM weir_handler_canary_tallies WHERE canary = $1")
+            .bind(id)
+            .fetch_all(pool)
+            .await
+            .context("reading the canary's tallies")?;
+        let mut sum = (Tally::default(), Tally::default());
+        for r in rows {
+            let c: Tally = serde_json::from_value(r.try_get("canary_tally")?).unwrap_or_default();
+            let s: Tally = serde_json::from_value(r.try_get("stable_tally")?).unwrap_or_default();
+            sum = (sum.0.plus(c), sum.1.plus(s));
+        }
+        Ok(sum)
     }
 }

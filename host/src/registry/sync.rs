@@ -64,8 +64,36 @@ impl Registry {
         }
     }
 
-    /// Apply the cluster's current version of `name` if it is newer than ours.
+    /// Apply the cluster's current version of `name` if it is newer than
+    /// ours, and run its canary (or stop running the one that ended).
     pub(super) async fn sync_one(&self, pool: &PgPool, name: &str) -> anyhow::Result<()> {
+        self.sync_current(pool, name).await?;
+        let live = pg::live_canary(pool, name).await?;
+        let ours = self.canaries.lock().get(name).map(|r| r.canary.id);
+        if ours.is_some() && live.as_ref().map(|c| c.id) != ours
+            && let Some((c, outcome, reason, at_ms)) = pg::last_ended(pool, name).await?
+            && Some(c.id) == ours
+        {
+            self.ended.lock().insert(
+                name.to_owned(),
+                super::canary::Ended {
+                    digest: c.digest,
+                    slots: c.slots,
+                    outcome: if outcome == "promoted" { "promoted" } else { "rolled-back" },
+                    reason,
+                    at_ms,
+                    compare: self.canary(name).map(|v| v.compare),
+                },
+            );
+        }
+        let stable = self
+            .router
+            .version(name)
+            .ok_or_else(|| anyhow::anyhow!("handler `{name}` has no version installed"))?;
+        self.follow_canary(name, stable, live).await
+    }
+
+    async fn sync_current(&self, pool: &PgPool, name: &str) -> anyhow::Result<()> {
         let activations = pg::activations(pool, name).await?;
         let Some(latest) = activations.last().cloned() else {
             return Ok(());
@@ -79,6 +107,14 @@ impl Registry {
             .lock()
             .get(name)
             .and_then(|s| s.compiled(&latest.digest, &latest.grants).cloned());
+        // A promoted canary: its compiled code becomes the stable version.
+        let kept = kept.or_else(|| {
+            self.canaries
+                .lock()
+                .get(name)
+                .filter(|r| r.canary.digest == latest.digest && r.canary.grants == latest.grants)
+                .map(|r| r.version.clone())
+        });
         let version = match kept {
             Some(v) => v.reissue(),
             None => {

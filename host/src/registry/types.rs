@@ -72,9 +72,12 @@ pub enum DeployError {
     /// It does not compile, is not a component, exports another world or cannot instantiate.
     #[error("{0}")]
     Invalid(String),
-    /// A rollback with nothing to roll back to.
+    /// A rollback with nothing to roll back to, or a promote with no canary.
     #[error("{0}")]
     NoPrevious(String),
+    /// The change clashes with the handler's state (a canary runs already).
+    #[error("{0}")]
+    Conflict(String),
     /// The data directory or the database failed; nothing was swapped.
     #[error("{0:#}")]
     Store(anyhow::Error),
@@ -136,6 +139,10 @@ pub struct HandlerInfo {
     pub current: Activation,
     /// Earlier activations, newest first (what rollbacks would walk back to).
     pub history: Vec<Activation>,
+    /// The canary running on some of its slots, with its live comparison.
+    pub canary: Option<super::canary::CanaryView>,
+    /// How its last canary ended (as this node saw it).
+    pub last_canary: Option<super::canary::Ended>,
 }
 
 /// sha256 of `bytes`, hex.

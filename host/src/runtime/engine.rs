@@ -235,6 +235,7 @@ impl Runtime {
             size: bytes.len(),
             compiled_in,
             settings: Arc::new(settings),
+            tally: Default::default(),
             pre,
             retired: AtomicBool::new(false),
         };

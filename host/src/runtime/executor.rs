@@ -317,7 +317,9 @@ impl Executor {
         metrics.enter();
         let started = Instant::now();
         let r = inst.bindings.call_handle(&mut inst.store, msg);
-        metrics.exit(started.elapsed());
+        let took = started.elapsed();
+        metrics.exit(took);
+        version.tally.called(took);
         lower_again(&mut inst);
         if let Some(o) = &self.runtime.observer {
             o.after(msg);
@@ -395,7 +397,9 @@ impl Executor {
         metrics.enter();
         let started = Instant::now();
         let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
-        metrics.exit(started.elapsed());
+        let took = started.elapsed();
+        metrics.exit(took);
+        version.tally.called(took);
         lower_again(&mut inst);
         if let Some(o) = &self.runtime.observer {
             o.after_batch(batch);

@@ -32,6 +32,9 @@ pub struct HandlerVersion {
     pub settings: Arc<HandlerSettings>,
     /// Admission for calls of this version, `max_instances` permits.
     pub permits: Arc<tokio::sync::Semaphore>,
+    /// What this version alone did (outcomes, call durations): a canary's
+    /// comparison with the stable version reads it.
+    pub tally: crate::observe::stats::HandlerMetrics,
     pub(super) pre: Pre,
     pub(super) retired: AtomicBool,
 }
@@ -109,6 +112,7 @@ impl HandlerVersion {
             compiled_in: None,
             settings: self.settings.clone(),
             permits: self.permits.clone(),
+            tally: Default::default(),
             pre: self.pre.clone(),
             retired: AtomicBool::new(false),
         })

@@ -68,6 +68,7 @@ impl Slot<'_> {
         self.counters.record(outcome);
         if let Some(h) = handler {
             h.settings.metrics.outcomes.record(outcome);
+            h.tally.outcomes.record(outcome);
         }
     }
 }

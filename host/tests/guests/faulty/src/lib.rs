@@ -47,6 +47,13 @@ impl Handler for Faulty {
             }
             "reject" => Err(Failure::reject("rejected by test")),
             "retry" => Err(Failure::retry("retry by test")),
+            // Retries when its version was granted `WEIR_TEST_CANARY_BREAKS`
+            // (grants are per version: a canary deployed with it breaks, the
+            // stable version does not).
+            "canary" => match std::env::var("WEIR_TEST_CANARY_BREAKS") {
+                Ok(_) => Err(Failure::retry("canary: this version breaks (WEIR_TEST_CANARY_BREAKS)")),
+                Err(_) => Ok(()),
+            },
             // Fails with `retry` while the attempt is at most the payload's number.
             "flaky" => {
                 let text = msg.text()?;
