@@ -162,7 +162,9 @@ async fn drain(o: &Opts, dedup: bool) -> anyhow::Result<f64> {
                 let js = async_nats::jetstream::new(client);
                 let bucket = format!("weir-bench-{tag}");
                 let _ = js.delete_stream(format!("KV_{bucket}")).await;
-                let _ = js.delete_stream(format!("KV_{bucket}-dedup")).await;
+                for side in weir::node::side_buckets(&bucket) {
+                    let _ = js.delete_stream(format!("KV_{side}")).await;
+                }
             }
         }
     }

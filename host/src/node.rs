@@ -300,6 +300,46 @@ async fn connect_database(config: &Config) -> anyhow::Result<Option<PgPool>> {
     Ok(Some(pool))
 }
 
+/// The buckets a `nats-kv` cluster of coordination bucket `bucket` may make
+/// beside it (handler versions, components, dedup records, parked groups),
+/// for whoever deletes a cluster.
+pub fn side_buckets(bucket: &str) -> Vec<String> {
+    vec![
+        crate::registry::kv::handlers_bucket(bucket),
+        crate::registry::kv::components_bucket(bucket),
+        crate::dedup::kv::bucket_name(bucket),
+        crate::parked::kv::bucket_name(bucket),
+    ]
+}
+
+/// Where the cluster keeps handler versions and canaries: the coordinator
+/// database (`postgres`), or buckets beside the coordination bucket
+/// (`nats-kv`); `None` in the modes without a shared store.
+async fn open_versions(
+    config: &Config,
+    database: Option<&PgPool>,
+) -> anyhow::Result<Option<Arc<dyn crate::registry::shared::Shared>>> {
+    match (config.cluster.mode, database) {
+        (ClusterMode::Postgres, Some(pool)) => Ok(Some(Arc::new(crate::registry::store::pg::Database(pool.clone())))),
+        (ClusterMode::NatsKv, _) => {
+            let client = crate::transport::nats::connect(
+                &config.transport.urls(),
+                &format!("weir {} versions", config.node.name),
+            )
+            .await?;
+            let buckets = crate::registry::kv::Buckets::open(
+                &async_nats::jetstream::new(client),
+                config.cluster.bucket(),
+                config.transport.replicas(),
+            )
+            .await
+            .with_context(|| format!("{}: cluster.mode = \"nats-kv\": the handler versions' buckets", config.origin))?;
+            Ok(Some(Arc::new(buckets)))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// The coordination bucket (`nats-kv` mode), created when missing, after
 /// the topologies (whose declaration checked `transport.replicas` against
 /// the cluster's size).
@@ -526,7 +566,8 @@ impl Node {
         let runtime = start_runtime(config, &opts)?;
         let router = Arc::new(bind_handlers(config)?);
         let database = connect_database(config).await?;
-        let registry = Registry::start(config, runtime.clone(), router.clone(), database.clone()).await?;
+        let versions = open_versions(config, database.as_ref()).await?;
+        let registry = Registry::start(config, runtime.clone(), router.clone(), versions).await?;
         let topologies = declare_topologies(config, transport.as_ref()).await?;
         let bucket = open_bucket(config).await?;
         let pipeline = Arc::new(Pipeline {

@@ -17,20 +17,22 @@
 //! ladder and runs on the stable version; one it dead-lettered is in the
 //! dead-letter store with its reason, for a redrive.
 //!
-//! Where it is kept: in `postgres` mode the live canary is a row of
-//! `weir_handler_canaries` that every node follows (as it follows deploys),
-//! and each node writes its tally beside it, so the comparison and the
-//! threshold see the whole cluster. In the data directory it is
+//! Where it is kept: in a coordinated cluster the live canary is in the
+//! store every node follows, as it follows deploys (`postgres`: a row of
+//! `weir_handler_canaries`; `nats-kv`: the handler's record in the handlers
+//! bucket), and each node writes its tally beside it, so the comparison and
+//! the threshold see the whole cluster. In the data directory it is
 //! `handlers/{name}.canary.json`; in memory it ends with the process.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::store::{Store, pg, write_canary, write_component};
+use super::store::{Store, write_canary, write_component};
 use super::types::{Caller, DeployError, Grants, Upload, digest};
 use super::{Priority, Registry, State, now_ms};
 use crate::observe::stats::HandlerMetrics;
@@ -50,7 +52,7 @@ pub struct Thresholds {
     /// Sent to the retry ladder / settled above this rolls back (0..=1).
     #[serde(default)]
     pub max_retry_rate: Option<f64>,
-    /// Settled canary messages (cluster-wide in `postgres` mode) before a rate is judged.
+    /// Settled canary messages (cluster-wide in `postgres` and `nats-kv` modes) before a rate is judged.
     #[serde(default = "default_min_messages")]
     pub min_messages: u64,
 }
@@ -108,7 +110,7 @@ impl Thresholds {
 /// A canary as stored and shown.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Canary {
-    /// Increasing (per cluster in `postgres` mode): tells one canary from the next.
+    /// Increasing (per handler in a coordinated cluster): tells one canary from the next.
     pub id: i64,
     /// sha256 of the component, hex.
     pub digest: String,
@@ -249,7 +251,7 @@ pub struct Compare {
     pub canary: Side,
     /// The stable version's calls (on the other slots).
     pub stable: Side,
-    /// Whose counts these are: `cluster` (every node's, `postgres` mode) or `node`.
+    /// Whose counts these are: `cluster` (every node's, `postgres` and `nats-kv` modes) or `node`.
     pub scope: &'static str,
 }
 
@@ -312,7 +314,7 @@ pub(super) struct Running {
     /// The stable version's tally when the canary began here (its id: a
     /// stable version swapped meanwhile counts from zero).
     pub baseline: (u64, Tally),
-    /// The comparison summed over the cluster at the last look (`postgres`).
+    /// The comparison summed over the cluster at the last look (coordinated modes).
     pub cluster: Option<(Tally, Tally)>,
 }
 
@@ -404,8 +406,8 @@ impl Registry {
         let _queue = self.queue(caller).lock_owned().await;
         let _changing = self.changing(name).await;
         let bytes = self.read_upload(upload).await?;
-        if let Store::Postgres(pool) = &self.store {
-            self.sync_one(pool, name).await.map_err(DeployError::Store)?;
+        if let Store::Shared(shared) = &self.store {
+            self.sync_one(shared.as_ref(), name).await.map_err(DeployError::Store)?;
         }
         let bytes: Arc<[u8]> = Arc::from(bytes);
         let new_digest = digest(&bytes);
@@ -444,8 +446,9 @@ impl Registry {
                 write_component(dir, &new_digest, &bytes).map_err(DeployError::Store)?;
                 write_canary(dir, name, Some(&canary)).map_err(DeployError::Store)?;
             }
-            Store::Postgres(pool) => {
-                canary = pg::start_canary(pool, name, &bytes, canary)
+            Store::Shared(shared) => {
+                canary = shared
+                    .start_canary(name, &bytes, canary)
                     .await
                     .map_err(DeployError::Store)?;
             }
@@ -477,6 +480,12 @@ impl Registry {
         stable: Arc<HandlerVersion>,
         canary: Option<(Canary, Arc<HandlerVersion>)>,
     ) {
+        // Count both sides while a canary runs; stop counting when it ends.
+        let on = canary.is_some();
+        stable.tallying.store(on, Ordering::Relaxed);
+        if let Some((_, v)) = &canary {
+            v.tallying.store(true, Ordering::Relaxed);
+        }
         let baseline = (stable.id, Tally::of(&stable.tally));
         let (old_stable, old_canary) = self.router.install_with_canary(
             stable.clone(),
@@ -506,9 +515,11 @@ impl Registry {
         }
         drop(canaries);
         if old_stable.as_ref().is_some_and(|o| o.id != stable.id) {
-            self.swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.swaps.fetch_add(1, Ordering::Relaxed);
         }
-        let _ = old_canary;
+        if let Some(old) = old_canary.filter(|o| o.id != stable.id) {
+            old.tallying.store(false, Ordering::Relaxed);
+        }
     }
 
     /// This node's comparison of `name`'s canary with its stable version, or
@@ -559,8 +570,8 @@ impl Registry {
         self.authorize(caller, name)?;
         let _queue = self.queue(caller).lock_owned().await;
         let _changing = self.changing(name).await;
-        if let Store::Postgres(pool) = &self.store {
-            self.sync_one(pool, name).await.map_err(DeployError::Store)?;
+        if let Store::Shared(shared) = &self.store {
+            self.sync_one(shared.as_ref(), name).await.map_err(DeployError::Store)?;
         }
         let (canary, version, compare) = {
             let canaries = self.canaries.lock();
@@ -586,8 +597,9 @@ impl Registry {
         match &self.store {
             Store::Memory => {}
             Store::Dir(dir) => write_canary(dir, name, None).map_err(DeployError::Store)?,
-            Store::Postgres(pool) => {
-                activation = pg::promote(pool, name, canary.id, activation)
+            Store::Shared(shared) => {
+                activation = shared
+                    .promote(name, canary.id, activation)
                     .await
                     .map_err(DeployError::Store)?;
             }
@@ -623,7 +635,8 @@ impl Registry {
         match &self.store {
             Store::Memory => {}
             Store::Dir(dir) => write_canary(dir, name, None).map_err(DeployError::Store)?,
-            Store::Postgres(pool) => pg::end_canary(pool, name, canary.id, "rolled-back", &reason)
+            Store::Shared(shared) => shared
+                .end_canary(name, canary.id, &reason)
                 .await
                 .map_err(DeployError::Store)?,
         }
@@ -646,8 +659,8 @@ impl Registry {
         e
     }
 
-    /// Watch the thresholds of running canaries, and (in `postgres` mode)
-    /// write this node's tallies and read the cluster's, until `stop`.
+    /// Watch the thresholds of running canaries, and (in a coordinated
+    /// cluster) write this node's tallies and read the cluster's, until `stop`.
     pub fn guard(self: &Arc<Self>, mut stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
@@ -678,8 +691,8 @@ impl Registry {
                 .collect()
         };
         for (name, canary, mut c, mut s) in running {
-            if let Store::Postgres(pool) = &self.store {
-                match pg::tally_canary(pool, canary.id, &self.node, &c, &s).await {
+            if let Store::Shared(shared) = &self.store {
+                match shared.tally_canary(canary.id, &self.node, &c, &s).await {
                     Ok((cluster_c, cluster_s)) => {
                         (c, s) = (cluster_c, cluster_s);
                         if let Some(r) = self.canaries.lock().get_mut(&name).filter(|r| r.canary.id == canary.id) {
@@ -700,7 +713,7 @@ impl Registry {
             if let Err(e) = self.end_canary_locked(&name, format!("threshold: {why}")).await {
                 // Another node may have ended it first: take the cluster's state.
                 let synced = match &self.store {
-                    Store::Postgres(pool) => self.sync_one(pool, &name).await.is_ok(),
+                    Store::Shared(shared) => self.sync_one(shared.as_ref(), &name).await.is_ok(),
                     _ => false,
                 };
                 if !synced || self.canaries.lock().get(&name).is_some_and(|r| r.canary.id == canary.id) {
@@ -721,7 +734,12 @@ impl Registry {
         let ours = self.canaries.lock().get(name).map(|r| (r.canary.id, r.version.clone()));
         let version = match (&canary, ours) {
             (None, None) => return Ok(()),
-            (Some(c), Some((id, v))) if id == c.id => v,
+            (Some(c), Some((id, v))) if id == c.id => {
+                if self.router.version(name).is_some_and(|s| s.id == stable.id) {
+                    return Ok(()); // as it runs already
+                }
+                v
+            }
             (Some(c), _) => self.canary_version(name, c).await?,
             (None, Some(_)) => {
                 self.run_canary(name, stable, None);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 
-use super::store::{Store, pg, write_component, write_dir_history};
+use super::store::{Store, write_component, write_dir_history};
 use super::types::digest;
 use super::types::{Activation, Caller, DeployError, Deployed, Grants, Upload};
 use super::{Priority, Registry, State, now_ms};
@@ -37,7 +37,7 @@ impl Registry {
         match &self.store {
             Store::Memory => {}
             Store::Dir(dir) => write_component(dir, &v.digest, bytes)?,
-            Store::Postgres(pool) => a = pg::activate(pool, name, bytes, a).await?,
+            Store::Shared(shared) => a = shared.activate(name, bytes, a).await?,
         }
         Ok(a)
     }
@@ -164,9 +164,9 @@ impl Registry {
         self.authorize(caller, name)?;
         let _queue = self.queue(caller).lock_owned().await;
         let _changing = self.changing(name).await;
-        if let Store::Postgres(pool) = &self.store {
+        if let Store::Shared(shared) = &self.store {
             // Another node may have deployed since: roll back the cluster's current.
-            self.sync_one(pool, name).await.map_err(DeployError::Store)?;
+            self.sync_one(shared.as_ref(), name).await.map_err(DeployError::Store)?;
         }
         if let Some(ended) = self.end_canary_locked(name, "operator".into()).await? {
             return Ok(Deployed {
@@ -216,7 +216,7 @@ impl Registry {
             }
         };
         let bytes: Arc<[u8]> = match &self.store {
-            Store::Postgres(_) => Arc::from(Vec::new()), // already stored
+            Store::Shared(_) => Arc::from(Vec::new()), // already stored
             _ => self
                 .bytes_of(name, &target.digest)
                 .await

@@ -11,8 +11,11 @@
 //! versions ever run at once and no message is lost or repeated by a swap.
 //!
 //! Versions are kept in the node's data directory (`node.data_dir`) or, in
-//! `postgres` cluster mode, in the coordinator database, where a deploy to
-//! one node reaches every node (LISTEN/NOTIFY, with a poll as a backstop).
+//! a coordinated cluster, in a store every node shares ([`shared`]): the
+//! coordinator database in `postgres` mode (LISTEN/NOTIFY, with a poll as a
+//! backstop), buckets beside the coordination bucket in `nats-kv` mode
+//! ([`kv`]: a watch, with the same poll). A deploy to one node reaches every
+//! node. A version can also run as a canary on some slots only ([`canary`]).
 //! Each activation records the one it replaced: a rollback activates that
 //! one again, and rolling back again walks further back.
 //!
@@ -24,16 +27,20 @@
 //! and checked by where they resolve ([`PinnedDir`]).
 //!
 //! The files: [`types`] (what callers see: grants, activations, errors),
-//! [`deploy`] (deploy, rollback, the swap), [`pin`] (versions pinned by a
-//! redrive, for the router), [`store`] (where versions are
-//! kept: the data directory, the database), [`sync`] (following the
-//! cluster's deploys and the watched directory); this one loads the
-//! configured handlers and answers what the registry holds.
+//! [`deploy`] (deploy, rollback, the swap), [`canary`] (canaries by slot:
+//! start, compare, promote, roll back, thresholds), [`pin`] (versions pinned
+//! by a redrive, for the router), [`store`] (where versions are kept: the
+//! data directory, the database), [`shared`] and [`kv`] (the cluster's
+//! store, and its buckets), [`sync`] (following the cluster's deploys and
+//! the watched directory); this one loads the configured handlers and
+//! answers what the registry holds.
 
 pub mod canary;
 pub mod deploy;
+pub mod kv;
 pub mod pin;
 pub mod settings;
+pub mod shared;
 pub mod store;
 pub mod sync;
 pub mod types;
@@ -45,7 +52,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use parking_lot::Mutex;
-use sqlx::PgPool;
 
 pub use types::{Activation, Caller, DeployError, Deployed, DirGrant, Grants, HandlerInfo, Upload, digest};
 
@@ -54,13 +60,13 @@ use crate::router::Router;
 use crate::runtime::grants::PinnedDir;
 use crate::runtime::{self, HandlerSettings, HandlerVersion, Runtime};
 use settings::{base_settings, config_grants, tenant_shares};
-use store::{DirHistory, Store, pg, write_component, write_dir_history};
+use store::{DirHistory, Store, write_component, write_dir_history};
 
 pub use settings::{component_bytes, handler_settings};
 
 /// Previously active versions kept compiled per handler, for instant rollbacks.
 const KEEP_COMPILED: usize = 3;
-/// How often a `postgres`-mode node looks for deploys it was not notified of.
+/// How often a node of a coordinated cluster looks for deploys it was not notified of.
 const SYNC_POLL: Duration = Duration::from_secs(2);
 /// How often the components directory is scanned.
 const WATCH_POLL: Duration = Duration::from_millis(500);
@@ -198,7 +204,7 @@ impl Registry {
         config: &Config,
         runtime: Arc<Runtime>,
         router: Arc<Router>,
-        database: Option<PgPool>,
+        shared: Option<Arc<dyn shared::Shared>>,
     ) -> anyhow::Result<Arc<Self>> {
         let shares = tenant_shares(config);
         let mut specs = BTreeMap::new();
@@ -222,8 +228,8 @@ impl Registry {
                 },
             );
         }
-        let store = match (database, &config.node.data_dir) {
-            (Some(pool), _) => Store::Postgres(pool),
+        let store = match (shared, &config.node.data_dir) {
+            (Some(shared), _) => Store::Shared(shared),
             (None, Some(dir)) => {
                 for sub in ["components", "handlers"] {
                     std::fs::create_dir_all(dir.join(sub))
@@ -320,7 +326,7 @@ impl Registry {
                     Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
                 }
             }
-            Store::Postgres(pool) => pg::activations(pool, name).await?,
+            Store::Shared(shared) => shared.activations(name).await?,
         };
         if activations.is_empty() {
             let base = Activation {
@@ -341,9 +347,9 @@ impl Registry {
                 }
                 // The first node to start records the configured version
                 // for the whole cluster; the others serve what is there.
-                Store::Postgres(pool) => {
-                    pg::activate(pool, name, &spec.config_bytes, base).await?;
-                    activations = pg::activations(pool, name).await?;
+                Store::Shared(shared) => {
+                    shared.activate(name, &spec.config_bytes, base).await?;
+                    activations = shared.activations(name).await?;
                 }
             }
         }
@@ -372,7 +378,7 @@ impl Registry {
         let canary = match &self.store {
             Store::Memory => None,
             Store::Dir(dir) => store::read_canary(dir, name)?,
-            Store::Postgres(pool) => pg::live_canary(pool, name).await?,
+            Store::Shared(shared) => shared.live_canary(name).await?,
         };
         if let Some(c) = &canary {
             self.canary_ids.fetch_max(c.id, std::sync::atomic::Ordering::Relaxed);
@@ -401,7 +407,7 @@ impl Registry {
                 );
                 Ok(Arc::from(b))
             }
-            Store::Postgres(pool) => pg::component(pool, name, digest_hex).await.map(Arc::from),
+            Store::Shared(shared) => shared.component(name, digest_hex).await.map(Arc::from),
         }
     }
 

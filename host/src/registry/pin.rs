@@ -64,10 +64,10 @@ impl Registry {
             .get(name)
             .map(|s| s.activations.clone())
             .unwrap_or_default();
-        if let Store::Postgres(pool) = &self.store
+        if let Store::Shared(shared) = &self.store
             && !activations.iter().any(|a| a.digest == digest_hex)
         {
-            activations = pg::activations(pool, name).await.map_err(|e| format!("{e:#}"))?;
+            activations = shared.activations(name).await.map_err(|e| format!("{e:#}"))?;
         }
         let grants = match activations.iter().rev().find(|a| a.digest == digest_hex) {
             Some(a) => a.grants.clone(),

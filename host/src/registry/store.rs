@@ -2,12 +2,12 @@
 //! (`node.data_dir`), or the coordinator database in `postgres` mode.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
-
 use super::canary::Canary;
+use super::shared::Shared;
 use super::types::Activation;
 
 /// Where versions are kept.
@@ -16,8 +16,9 @@ pub enum Store {
     Memory,
     /// `node.data_dir`.
     Dir(PathBuf),
-    /// The coordinator database (`postgres` cluster mode).
-    Postgres(PgPool),
+    /// Shared by the cluster: the coordinator database (`postgres`) or
+    /// buckets beside the coordination bucket (`nats-kv`).
+    Shared(Arc<dyn Shared>),
 }
 
 impl Store {
@@ -25,7 +26,7 @@ impl Store {
         match self {
             Store::Memory => "memory",
             Store::Dir(_) => "data-dir",
-            Store::Postgres(_) => "database",
+            Store::Shared(s) => s.label(),
         }
     }
 }
@@ -104,6 +105,7 @@ pub mod pg {
     use sqlx::{PgPool, Row as _};
 
     use super::super::canary::{Canary, Tally};
+    use super::super::shared::{Changes, EndedRecord};
     use super::super::types::{Activation, Grants};
 
     /// Notified with the handler name after every activation.
@@ -275,7 +277,7 @@ pub mod pg {
     }
 
     /// How the latest ended canary of `name` ended: (canary, outcome, reason, ended at ms).
-    pub async fn last_ended(pool: &PgPool, name: &str) -> anyhow::Result<Option<(Canary, String, String, i64)>> {
+    pub async fn last_ended(pool: &PgPool, name: &str) -> anyhow::Result<Option<EndedRecord>> {
         let row = sqlx::query(&format!(
             "SELECT {CANARY_COLUMNS}, outcome, reason, (extract(epoch FROM ended_at) * 1000)::bigint AS ended_ms
              FROM weir_handler_canaries WHERE name = $1 AND ended_at IS NOT NULL ORDER BY ended_at DESC LIMIT 1"
@@ -354,5 +356,59 @@ pub mod pg {
             sum = (sum.0.plus(c), sum.1.plus(s));
         }
         Ok(sum)
+    }
+
+    /// The coordinator database as the cluster's version store.
+    pub struct Database(pub PgPool);
+
+    #[async_trait::async_trait]
+    impl super::Shared for Database {
+        fn label(&self) -> &'static str {
+            "database"
+        }
+        async fn activations(&self, name: &str) -> anyhow::Result<Vec<Activation>> {
+            activations(&self.0, name).await
+        }
+        async fn component(&self, name: &str, digest: &str) -> anyhow::Result<Vec<u8>> {
+            component(&self.0, name, digest).await
+        }
+        async fn activate(&self, name: &str, bytes: &[u8], a: Activation) -> anyhow::Result<Activation> {
+            activate(&self.0, name, bytes, a).await
+        }
+        async fn start_canary(&self, name: &str, bytes: &[u8], c: Canary) -> anyhow::Result<Canary> {
+            start_canary(&self.0, name, bytes, c).await
+        }
+        async fn live_canary(&self, name: &str) -> anyhow::Result<Option<Canary>> {
+            live_canary(&self.0, name).await
+        }
+        async fn last_ended(&self, name: &str) -> anyhow::Result<Option<EndedRecord>> {
+            last_ended(&self.0, name).await
+        }
+        async fn end_canary(&self, name: &str, id: i64, reason: &str) -> anyhow::Result<()> {
+            end_canary(&self.0, name, id, "rolled-back", reason).await
+        }
+        async fn promote(&self, name: &str, id: i64, a: Activation) -> anyhow::Result<Activation> {
+            promote(&self.0, name, id, a).await
+        }
+        async fn tally_canary(
+            &self,
+            id: i64,
+            node: &str,
+            canary: &Tally,
+            stable: &Tally,
+        ) -> anyhow::Result<(Tally, Tally)> {
+            tally_canary(&self.0, id, node, canary, stable).await
+        }
+        async fn changes(&self) -> anyhow::Result<Option<Changes>> {
+            let mut l = sqlx::postgres::PgListener::connect_with(&self.0)
+                .await
+                .context("cannot listen for deploys")?;
+            l.listen(CHANNEL).await.with_context(|| format!("LISTEN {CHANNEL}"))?;
+            // An error ends the stream: the follower listens again.
+            Ok(Some(Box::pin(futures::StreamExt::map(
+                futures::StreamExt::take_while(l.into_stream(), |n| std::future::ready(n.is_ok())),
+                |_| (),
+            ))))
+        }
     }
 }

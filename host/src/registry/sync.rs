@@ -1,62 +1,60 @@
-//! Following changes made elsewhere: deploys on other nodes (`postgres`
-//! mode: LISTEN/NOTIFY with a poll as a backstop) and components dropped into
-//! the watched directory (`node.components_dir`).
+//! Following changes made elsewhere: deploys and canaries on other nodes
+//! (`postgres`: LISTEN/NOTIFY; `nats-kv`: a watch of the handlers bucket;
+//! both with a poll as a backstop) and components dropped into the watched
+//! directory (`node.components_dir`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use sqlx::PgPool;
+use futures::StreamExt as _;
 use tokio::sync::watch;
 
-use super::store::{Store, pg};
+use super::shared::{Changes, Shared};
+use super::store::Store;
 use super::types::Caller;
 use super::{Priority, Registry, SYNC_POLL, WATCH_POLL};
 
 impl Registry {
-    /// Follow deploys made on other nodes (`postgres` mode) until `stop`.
+    /// Follow deploys, promotions and canaries made on other nodes
+    /// (`postgres`, `nats-kv`) until `stop`.
     pub fn follow(self: &Arc<Self>, stop: watch::Receiver<bool>) -> Option<tokio::task::JoinHandle<()>> {
-        let Store::Postgres(pool) = &self.store else {
+        let Store::Shared(shared) = &self.store else {
             return None;
         };
-        let (me, pool) = (self.clone(), pool.clone());
-        Some(tokio::spawn(async move { me.follow_loop(pool, stop).await }))
+        let (me, shared) = (self.clone(), shared.clone());
+        Some(tokio::spawn(async move { me.follow_loop(shared, stop).await }))
     }
 
-    async fn follow_loop(self: Arc<Self>, pool: PgPool, mut stop: watch::Receiver<bool>) {
-        let mut listener = None;
+    async fn follow_loop(self: Arc<Self>, shared: Arc<dyn Shared>, mut stop: watch::Receiver<bool>) {
+        let mut changes: Option<Changes> = None;
         loop {
             if *stop.borrow() {
                 return;
             }
-            if listener.is_none() {
-                match sqlx::postgres::PgListener::connect_with(&pool).await {
-                    Ok(mut l) => match l.listen(pg::CHANNEL).await {
-                        Ok(()) => listener = Some(l),
-                        Err(e) => tracing::warn!(error = %e, "LISTEN {} failed; polling", pg::CHANNEL),
-                    },
-                    Err(e) => tracing::warn!(error = %e, "cannot listen for deploys; polling"),
+            if changes.is_none() {
+                match shared.changes().await {
+                    Ok(c) => changes = c,
+                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "no notifications of deploys; polling"),
                 }
             }
-            {
-                for name in self.specs.keys() {
-                    let _changing = self.changing(name).await;
-                    if let Err(e) = self.sync_one(&pool, name).await {
-                        tracing::error!(handler = %name, error = %format!("{e:#}"), "cannot apply the cluster's version; the running version stays");
-                    }
+            for name in self.specs.keys() {
+                let _changing = self.changing(name).await;
+                if let Err(e) = self.sync_one(shared.as_ref(), name).await {
+                    tracing::error!(handler = %name, error = %format!("{e:#}"), "cannot apply the cluster's version; the running version stays");
                 }
             }
             let wake = async {
-                match listener.as_mut() {
-                    Some(l) => l.recv().await.map(|_| ()).map_err(|e| e.to_string()),
+                match changes.as_mut() {
+                    Some(c) => c.next().await,
                     None => std::future::pending().await,
                 }
             };
             tokio::select! {
-                r = wake => if let Err(e) = r {
-                    tracing::warn!(error = %e, "deploy notifications lost; reconnecting");
-                    listener = None;
+                woke = wake => if woke.is_none() {
+                    tracing::warn!("deploy notifications lost; listening again");
+                    changes = None;
                 },
                 () = tokio::time::sleep(SYNC_POLL) => {}
                 _ = stop.changed() => {}
@@ -66,12 +64,12 @@ impl Registry {
 
     /// Apply the cluster's current version of `name` if it is newer than
     /// ours, and run its canary (or stop running the one that ended).
-    pub(super) async fn sync_one(&self, pool: &PgPool, name: &str) -> anyhow::Result<()> {
-        self.sync_current(pool, name).await?;
-        let live = pg::live_canary(pool, name).await?;
+    pub(super) async fn sync_one(&self, shared: &dyn Shared, name: &str) -> anyhow::Result<()> {
+        self.sync_current(shared, name).await?;
+        let live = shared.live_canary(name).await?;
         let ours = self.canaries.lock().get(name).map(|r| r.canary.id);
         if ours.is_some() && live.as_ref().map(|c| c.id) != ours
-            && let Some((c, outcome, reason, at_ms)) = pg::last_ended(pool, name).await?
+            && let Some((c, outcome, reason, at_ms)) = shared.last_ended(name).await?
             && Some(c.id) == ours
         {
             self.ended.lock().insert(
@@ -93,8 +91,8 @@ impl Registry {
         self.follow_canary(name, stable, live).await
     }
 
-    async fn sync_current(&self, pool: &PgPool, name: &str) -> anyhow::Result<()> {
-        let activations = pg::activations(pool, name).await?;
+    async fn sync_current(&self, shared: &dyn Shared, name: &str) -> anyhow::Result<()> {
+        let activations = shared.activations(name).await?;
         let Some(latest) = activations.last().cloned() else {
             return Ok(());
         };

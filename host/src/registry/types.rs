@@ -29,7 +29,7 @@ pub struct DirGrant {
 /// One deploy or rollback that made a version current.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Activation {
-    /// Increasing per handler (per cluster in `postgres` mode).
+    /// Increasing per handler (per cluster in `postgres` and `nats-kv` modes).
     pub seq: i64,
     /// sha256 of the component, hex.
     pub digest: String,

@@ -236,6 +236,7 @@ impl Runtime {
             compiled_in,
             settings: Arc::new(settings),
             tally: Default::default(),
+            tallying: AtomicBool::new(false),
             pre,
             retired: AtomicBool::new(false),
         };

@@ -319,7 +319,9 @@ impl Executor {
         let r = inst.bindings.call_handle(&mut inst.store, msg);
         let took = started.elapsed();
         metrics.exit(took);
-        version.tally.called(took);
+        if version.tallying.load(std::sync::atomic::Ordering::Relaxed) {
+            version.tally.called(took);
+        }
         lower_again(&mut inst);
         if let Some(o) = &self.runtime.observer {
             o.after(msg);
@@ -399,7 +401,9 @@ impl Executor {
         let r = inst.bindings.call_handle_batch(&mut inst.store, batch);
         let took = started.elapsed();
         metrics.exit(took);
-        version.tally.called(took);
+        if version.tallying.load(std::sync::atomic::Ordering::Relaxed) {
+            version.tally.called(took);
+        }
         lower_again(&mut inst);
         if let Some(o) = &self.runtime.observer {
             o.after_batch(batch);

@@ -32,9 +32,12 @@ pub struct HandlerVersion {
     pub settings: Arc<HandlerSettings>,
     /// Admission for calls of this version, `max_instances` permits.
     pub permits: Arc<tokio::sync::Semaphore>,
-    /// What this version alone did (outcomes, call durations): a canary's
-    /// comparison with the stable version reads it.
+    /// What this version alone did (outcomes, call durations) while
+    /// `tallying`: a canary's comparison with the stable version reads it.
     pub tally: crate::observe::stats::HandlerMetrics,
+    /// Whether calls count in `tally` (while a canary of the handler runs;
+    /// otherwise a message pays one load for it, not three atomic adds).
+    pub tallying: AtomicBool,
     pub(super) pre: Pre,
     pub(super) retired: AtomicBool,
 }
@@ -113,6 +116,7 @@ impl HandlerVersion {
             settings: self.settings.clone(),
             permits: self.permits.clone(),
             tally: Default::default(),
+            tallying: AtomicBool::new(false),
             pre: self.pre.clone(),
             retired: AtomicBool::new(false),
         })

@@ -68,7 +68,9 @@ impl Slot<'_> {
         self.counters.record(outcome);
         if let Some(h) = handler {
             h.settings.metrics.outcomes.record(outcome);
-            h.tally.outcomes.record(outcome);
+            if h.tallying.load(std::sync::atomic::Ordering::Relaxed) {
+                h.tally.outcomes.record(outcome);
+            }
         }
     }
 }

@@ -124,9 +124,10 @@ impl Drop for KvBucket {
             if let Ok(c) = async_nats::connect(urls.as_slice()).await {
                 let js = jetstream::new(c);
                 let _ = js.delete_key_value(&bucket).await;
-                // handler.dedup's bucket beside it, when a test made one.
-                let _ = js.delete_stream(format!("KV_{bucket}-dedup")).await;
-                let _ = js.delete_stream(format!("KV_{bucket}-parked")).await;
+                // The buckets the nodes made beside it.
+                for side in weir::node::side_buckets(&bucket) {
+                    let _ = js.delete_stream(format!("KV_{side}")).await;
+                }
             }
         });
     }

@@ -80,14 +80,19 @@ pub async fn watch(
     }
 }
 
-/// Delete bucket `name` (its stream, `KV_<name>`).
+/// Delete bucket `name` (its stream, `KV_<name>`) and the buckets the nodes
+/// made beside it.
 pub async fn delete(url: &str, name: &str) -> anyhow::Result<()> {
     let client = weir::transport::nats::connect(&[url.to_owned()], "weir-soak cleanup")
         .await
         .with_context(|| format!("connecting to {url} to delete bucket {name}"))?;
+    let js = jetstream::new(client.clone());
+    for side in weir::node::side_buckets(name) {
+        // Absent unless a node made it.
+        let _ = js.delete_stream(format!("KV_{side}")).await;
+    }
     let stream = format!("KV_{name}");
-    jetstream::new(client.clone())
-        .delete_stream(&stream)
+    js.delete_stream(&stream)
         .await
         .with_context(|| format!("deleting stream {stream}"))?;
     let _ = client.drain().await;
