@@ -1,7 +1,11 @@
 //! `weir-bench dedup`: what `handler.dedup` costs per message, or with
 //! `--feature park` what `on_failure = "park"` costs when nothing fails
 //! (a message that parks on failure runs alone in its job, and each job
-//! of them is checked for groups to park).
+//! of them is checked for groups to park), or with `--feature canary` what a
+//! canary on half the slots costs (both versions count their outcomes and
+//! call durations while it runs; the canary is a copy of the noop component
+//! with one more custom section, started in the store before the node
+//! starts, which runs it from its first message).
 //!
 //! A Weir node (in this process) drains a backlog of N noop messages from
 //! the real broker, coordinated by the real store, with and without
@@ -14,7 +18,7 @@
 //! node's start (registration, first assignment) is in both walls alike.
 //!
 //! ```text
-//! weir-bench dedup [--feature dedup|park] [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G]
+//! weir-bench dedup [--feature dedup|park|canary] [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G]
 //!                  [--amqp URL] [--nats URL] [--pg URL]
 //! ```
 
@@ -38,9 +42,16 @@ enum Store {
     NatsKv,
 }
 
+/// What is measured, on against off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Feature {
+    Dedup,
+    Park,
+    Canary,
+}
+
 struct Opts {
-    /// Measure `on_failure = "park"` instead of `dedup`.
-    park: bool,
+    feature: Feature,
     store: Store,
     messages: u64,
     runs: usize,
@@ -52,7 +63,7 @@ struct Opts {
 
 fn parse(mut args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
     let mut o = Opts {
-        park: false,
+        feature: Feature::Dedup,
         store: Store::Postgres,
         messages: 20_000,
         runs: 3,
@@ -61,16 +72,17 @@ fn parse(mut args: impl Iterator<Item = String>) -> anyhow::Result<Opts> {
         nats: std::env::var("WEIR_BENCH_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
         pg: std::env::var("WEIR_BENCH_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into()),
     };
-    let usage = "usage: weir-bench dedup [--feature dedup|park] [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G] \
+    let usage = "usage: weir-bench dedup [--feature dedup|park|canary] [--store postgres|nats-kv] [--messages N] [--runs R] [--groups G] \
                  [--amqp URL] [--nats URL] [--pg URL]";
     while let Some(a) = args.next() {
         let mut value = || args.next().with_context(|| format!("{a} needs a value\n{usage}"));
         match a.as_str() {
             "--feature" => {
-                o.park = match value()?.as_str() {
-                    "dedup" => false,
-                    "park" => true,
-                    other => bail!("--feature {other:?}: accepted: dedup, park"),
+                o.feature = match value()?.as_str() {
+                    "dedup" => Feature::Dedup,
+                    "park" => Feature::Park,
+                    "canary" => Feature::Canary,
+                    other => bail!("--feature {other:?}: accepted: dedup, park, canary"),
                 }
             }
             "--store" => {
@@ -133,12 +145,13 @@ async fn drain(o: &Opts, dedup: bool) -> anyhow::Result<f64> {
             (cfg, Arc::new(Nats::new(&o.nats, "weir-bench dedup node")), None)
         }
     };
-    match (dedup, o.park) {
-        (false, _) => {}
-        (true, false) => cfg.handler[0].dedup = Some(config::Dedup { window: WINDOW }),
-        (true, true) => cfg.handler[0].on_failure = config::OnFailure::Park,
-    }
     let result = async {
+        match (dedup, o.feature) {
+            (false, _) => {}
+            (true, Feature::Dedup) => cfg.handler[0].dedup = Some(config::Dedup { window: WINDOW }),
+            (true, Feature::Park) => cfg.handler[0].on_failure = config::OnFailure::Park,
+            (true, Feature::Canary) => start_canary(&cfg).await?,
+        }
         crate::preload_on(transport.as_ref(), &topo, SLOTS, o.messages, o.groups).await?;
         let label = if dedup { "dedup-on" } else { "dedup-off" };
         let wall = crate::drain_with_weir(label, &cfg, transport.clone(), 0, None, o.messages).await?;
@@ -171,6 +184,38 @@ async fn drain(o: &Opts, dedup: bool) -> anyhow::Result<f64> {
     result
 }
 
+/// Start a canary of the config's handler on slots 0 and 1, in the store
+/// the config names, before its node starts.
+async fn start_canary(cfg: &Config) -> anyhow::Result<()> {
+    use weir::registry::shared::Shared;
+    let store: Box<dyn Shared> = match cfg.cluster.mode {
+        config::ClusterMode::Postgres => Box::new(weir::registry::store::pg::Database(
+            weir::cluster::postgres::connect(cfg.cluster.database_url.as_deref().unwrap_or_default()).await?,
+        )),
+        _ => {
+            let client = weir::transport::nats::connect(&cfg.transport.urls(), "weir-bench canary").await?;
+            Box::new(
+                weir::registry::kv::Buckets::open(&async_nats::jetstream::new(client), cfg.cluster.bucket(), 1).await?,
+            )
+        }
+    };
+    // The noop component with a custom section more: another digest, the same code.
+    let mut bytes = weir::node::bundled::NOOP.to_vec();
+    bytes.extend_from_slice(&[0, 7, 6]);
+    bytes.extend_from_slice(b"canary");
+    let canary = weir::registry::canary::Canary {
+        id: 0,
+        digest: weir::registry::digest(&bytes),
+        slots: vec![0, 1],
+        grants: Default::default(),
+        thresholds: Default::default(),
+        started_ms: 0,
+        node: "weir-bench".into(),
+    };
+    store.start_canary(&cfg.handler[0].name, &bytes, canary).await?;
+    Ok(())
+}
+
 async fn run(o: &Opts) -> anyhow::Result<()> {
     let store = match o.store {
         Store::Postgres => "postgres (RabbitMQ)",
@@ -198,10 +243,10 @@ async fn run(o: &Opts) -> anyhow::Result<()> {
     }
     let (off, on, ratio) = (crate::median(&off), crate::median(&on), crate::median(&ratios));
     let added_us = (1.0 / on - 1.0 / off) * 1e6;
-    let feature = if o.park {
-        "on_failure = \"park\""
-    } else {
-        "handler.dedup"
+    let feature = match o.feature {
+        Feature::Dedup => "handler.dedup",
+        Feature::Park => "on_failure = \"park\"",
+        Feature::Canary => "a canary on half the slots",
     };
     println!(
         "{feature} on {store}: {} messages over {} groups, {SLOTS} slots, median of {} runs",

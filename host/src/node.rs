@@ -333,7 +333,12 @@ async fn open_versions(
                 config.transport.replicas(),
             )
             .await
-            .with_context(|| format!("{}: cluster.mode = \"nats-kv\": the handler versions' buckets", config.origin))?;
+            .with_context(|| {
+                format!(
+                    "{}: cluster.mode = \"nats-kv\": the handler versions' buckets",
+                    config.origin
+                )
+            })?;
             Ok(Some(Arc::new(buckets)))
         }
         _ => Ok(None),

@@ -112,7 +112,8 @@ fn render_canaries(list: &[Canary]) -> String {
     }
     let pct = |v: &serde_json::Value| v.as_f64().map_or("-".to_owned(), |r| format!("{:.1}%", r * 100.0));
     let ms = |v: &serde_json::Value| v.as_f64().map_or("-".to_owned(), |m| format!("{m:.2}"));
-    let mut out = String::from("\ncanaries (since each began; scope: cluster = every node's calls, node = one node's)\n");
+    let mut out =
+        String::from("\ncanaries (since each began; scope: cluster = every node's calls, node = one node's)\n");
     let _ = writeln!(
         out,
         "{:<16} {:<8} {:<14} {:<12} {:>8} {:>9} {:>8} {:>9} {:>9}",
@@ -156,7 +157,11 @@ fn render_canaries(list: &[Canary]) -> String {
             out,
             "{:<16} rolls back by itself on: {} (scope {})",
             "",
-            if rules.is_empty() { "nothing (no threshold)".to_owned() } else { rules.join(" or ") },
+            if rules.is_empty() {
+                "nothing (no threshold)".to_owned()
+            } else {
+                rules.join(" or ")
+            },
             v["compare"]["scope"].as_str().unwrap_or("?")
         );
     }

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use common::http::{call, current, digest, free_port, variant, wait_up};
 use common::nats::Topo as NatsTopo;
 use common::pg::TestDb;
-use common::registry::{KvBucket, Registry as _};
 use common::rabbit::{Topo, url};
+use common::registry::{KvBucket, Registry as _};
 use parking_lot::Mutex;
 use weir::config;
 use weir::envelope::{self, Envelope};
@@ -71,7 +71,10 @@ fn canary_on_stable_slots(runs: &[Run], canary: &str, slots: &[u32]) -> Vec<Stri
 
 #[test]
 fn the_slot_check_catches_a_canary_call_on_a_stable_slot() {
-    let group = (0..).map(|g| format!("g{g}")).find(|g| slot_of(g, SLOTS) != CANARY_SLOT).unwrap();
+    let group = (0..)
+        .map(|g| format!("g{g}"))
+        .find(|g| slot_of(g, SLOTS) != CANARY_SLOT)
+        .unwrap();
     let runs = vec![Run {
         id: "m1".into(),
         group,
@@ -158,7 +161,9 @@ async fn canary_run(thresholds: &str) -> Outcome {
         ..NodeOptions::default()
     };
     let transport = Arc::new(RabbitMq::new(url(), format!("weir canary {}", topo.name)));
-    let node = Node::start(&rabbit_config(&topo.name, port), transport, opts).await.unwrap();
+    let node = Node::start(&rabbit_config(&topo.name, port), transport, opts)
+        .await
+        .unwrap();
     wait_up(port);
     let v1 = std::fs::read(bundled::FAULTY_PATH).unwrap();
     let v2 = variant(&v1, &format!("canary-{}", uuid::Uuid::new_v4()));
@@ -167,7 +172,11 @@ async fn canary_run(thresholds: &str) -> Outcome {
     assert_eq!(code, 200, "{started}");
     assert_eq!(started["slots"], serde_json::json!([CANARY_SLOT]));
     assert_eq!(started["stable"], digest(&v1));
-    assert_eq!(current(port, Some(TOKEN), "orders"), digest(&v1), "a canary leaves the current version");
+    assert_eq!(
+        current(port, Some(TOKEN), "orders"),
+        digest(&v1),
+        "a canary leaves the current version"
+    );
 
     let mut published = 0;
     for seq in 0..PER_GROUP {
@@ -227,8 +236,12 @@ async fn a_canary_that_fails_everything_is_rolled_back_by_its_threshold_and_noth
     // Groups on stable slots never ran it; it did run on its slot.
     let wrong = canary_on_stable_slots(&o.runs, &o.canary, &[CANARY_SLOT]);
     assert!(wrong.is_empty(), "canary calls on stable slots: {wrong:?}");
-    let on_canary: BTreeSet<&str> =
-        o.runs.iter().filter(|r| r.digest == o.canary).map(|r| r.group.as_str()).collect();
+    let on_canary: BTreeSet<&str> = o
+        .runs
+        .iter()
+        .filter(|r| r.digest == o.canary)
+        .map(|r| r.group.as_str())
+        .collect();
     assert!(!on_canary.is_empty(), "the canary never ran");
     // After the rollback was seen, no canary call started (beyond the ones
     // already handed to a worker then: none here, a call takes microseconds).
@@ -244,7 +257,10 @@ async fn a_canary_that_fails_everything_is_rolled_back_by_its_threshold_and_noth
     for r in &o.runs {
         last_run.insert(&r.id, &r.digest);
     }
-    assert!(last_run.values().all(|d| *d != o.canary), "a message ended on the canary");
+    assert!(
+        last_run.values().all(|d| *d != o.canary),
+        "a message ended on the canary"
+    );
     println!(
         "canary: {} canary calls on {} groups of slot {CANARY_SLOT}, rolled back: {reason}",
         o.runs.iter().filter(|r| r.digest == o.canary).count(),
@@ -257,7 +273,11 @@ async fn a_canary_that_fails_everything_is_rolled_back_by_its_threshold_and_noth
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_without_a_threshold_the_canary_dead_letters_its_slot() {
     let o = canary_run("").await;
-    assert!(o.dead_lettered > 0, "without a threshold the canary must cost messages: {}", o.handler);
+    assert!(
+        o.dead_lettered > 0,
+        "without a threshold the canary must cost messages: {}",
+        o.handler
+    );
     assert!(o.handled < o.published);
     assert!(!o.handler["canary"].is_null(), "nothing rolled it back");
     let wrong = canary_on_stable_slots(&o.runs, &o.canary, &[CANARY_SLOT]);
@@ -339,7 +359,11 @@ message_types = ["canary"]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_postgres_mode_a_canary_its_promotion_and_its_rollback_reach_every_node() {
-    reaches_every_node(Cluster::Postgres(TestDb::new(), Arc::new(MemoryBroker::new())), "database").await;
+    reaches_every_node(
+        Cluster::Postgres(TestDb::new(), Arc::new(MemoryBroker::new())),
+        "database",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -371,9 +395,17 @@ async fn reaches_every_node(cluster: Cluster, kept_in: &str) {
         assert_eq!(h["canary"]["slots"], serde_json::json!([0, 2]));
         assert_eq!(h["current"]["digest"], digest(&v1), "the stable version stays current");
     }
-    // A second canary while one runs is refused, and so is one on every slot.
+    // A second canary while one runs is refused, and so is a plain deploy
+    // (it would change what the canary is compared with), and a canary on
+    // every slot.
     let (code, body) = http("PUT", port_b, "/v1/handlers/orders?canary_slots=1".into(), v3.clone()).await;
     assert_eq!(code, 409, "{body}");
+    let (code, body) = http("PUT", port_b, "/v1/handlers/orders".into(), v3.clone()).await;
+    assert_eq!(code, 409, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("promote it or roll it back"),
+        "{body}"
+    );
     let (code, body) = http("PUT", port_b, "/v1/handlers/orders?canary_slots=0-3".into(), v3.clone()).await;
     assert_eq!(code, 400, "{body}");
     assert!(body["error"].as_str().unwrap().contains("every slot"), "{body}");
@@ -492,15 +524,31 @@ message_types = ["canary"]
     args.extend(["--canary-slots", "50%", "--max-retry-rate", "0.2", file]);
     let (code, out, err) = run(args).await.unwrap();
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("canary: `orders` runs") && out.contains("on slots 0,1 of 4"), "{out}");
+    assert!(
+        out.contains("canary: `orders` runs") && out.contains("on slots 0,1 of 4"),
+        "{out}"
+    );
     assert!(out.contains("rolls back by itself on a retry rate above 0.2"), "{out}");
 
     let (code, out, err) = run(vec!["status", "--admin", admin, "--token", TOKEN]).await.unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("canaries"), "{out}");
     let short: String = digest(&v2).chars().take(12).collect();
-    assert!(out.lines().any(|l| l.starts_with("orders") && l.contains("canary") && l.contains(&short)), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("orders") && l.contains("canary") && l.contains(&short)),
+        "{out}"
+    );
     assert!(out.contains("retry rate > 0.2"), "{out}");
+    // And in the metrics, for Prometheus.
+    let (code, text) = http("GET", port, "/metrics".into(), vec![]).await;
+    assert_eq!(code, 200);
+    let text = text.as_str().unwrap().to_owned();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("weir_canary_messages{") && l.contains("side=\"canary\"")),
+        "{text}"
+    );
 
     let mut args = vec!["promote"];
     args.extend(base);

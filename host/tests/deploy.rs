@@ -279,6 +279,9 @@ async fn auth_matrix_of_every_route_and_token_kind() {
         ),
         ("POST", "/v1/handlers/shop/rollback", vec![], [401, 401, 409, 409, 404]),
         ("POST", "/v1/handlers/ops/rollback", vec![], [401, 401, 409, 404, 404]),
+        // No canary runs: 409 for whoever may change the handler.
+        ("POST", "/v1/handlers/shop/promote", vec![], [401, 401, 409, 409, 404]),
+        ("POST", "/v1/handlers/ops/promote", vec![], [401, 401, 409, 404, 404]),
     ];
     let tokens: [Option<&'static str>; 5] = [
         None,

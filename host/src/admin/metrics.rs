@@ -275,7 +275,8 @@ impl Collector for Scrape {
                 None,
                 probe.metric_type(),
             )?;
-            for h in self.handlers.list(&Caller::Operator) {
+            let handlers = self.handlers.list(&Caller::Operator);
+            for h in &handlers {
                 let tenant = h.tenant.clone().unwrap_or_default();
                 let labels = [
                     ("handler", h.name.as_str()),
@@ -284,6 +285,35 @@ impl Collector for Scrape {
                     ("source", h.current.source.as_str()),
                 ];
                 ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
+            }
+            // A running canary against the stable version, since it began
+            // (a gauge: each canary counts from zero).
+            let mut family = encoder.encode_descriptor(
+                "canary_messages",
+                "Settled messages of a running canary and of the stable version since the canary began, by side and outcome.",
+                None,
+                probe.metric_type(),
+            )?;
+            for h in &handlers {
+                let Some(c) = &h.canary else { continue };
+                let tenant = h.tenant.clone().unwrap_or_default();
+                for (side, x) in [("canary", &c.compare.canary), ("stable", &c.compare.stable)] {
+                    let t = &x.tally;
+                    for (outcome, n) in [
+                        ("handled", t.handled),
+                        ("retry-scheduled", t.retried),
+                        ("dead-lettered", t.dead_lettered),
+                    ] {
+                        let labels = [
+                            ("handler", h.name.as_str()),
+                            ("tenant", tenant.as_str()),
+                            ("side", side),
+                            ("digest", x.digest.as_str()),
+                            ("outcome", outcome),
+                        ];
+                        ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
+                    }
+                }
             }
         }
         let handler_metrics = self.handlers.metrics();

@@ -331,7 +331,9 @@ pub fn parse_slots(spec: &str, slots: u32) -> Result<Vec<u32>, String> {
             .parse()
             .map_err(|_| format!("canary slots {spec:?}: {accepted}"))?;
         if !(p > 0.0 && p < 100.0) {
-            return Err(format!("canary slots {spec:?}: a share must be above 0% and below 100%"));
+            return Err(format!(
+                "canary slots {spec:?}: a share must be above 0% and below 100%"
+            ));
         }
         let n = ((f64::from(slots) * p / 100.0).ceil() as u32).clamp(1, slots);
         out.extend(0..n);
@@ -340,7 +342,11 @@ pub fn parse_slots(spec: &str, slots: u32) -> Result<Vec<u32>, String> {
             let (a, b) = part.split_once('-').unwrap_or((part, part));
             let (a, b): (u32, u32) = match (a.trim().parse(), b.trim().parse()) {
                 (Ok(a), Ok(b)) if a <= b => (a, b),
-                _ => return Err(format!("canary slots {spec:?}: {part:?} is not a slot or range; {accepted}")),
+                _ => {
+                    return Err(format!(
+                        "canary slots {spec:?}: {part:?} is not a slot or range; {accepted}"
+                    ));
+                }
             };
             if b >= slots {
                 return Err(format!(
@@ -411,7 +417,10 @@ impl Registry {
         }
         let bytes: Arc<[u8]> = Arc::from(bytes);
         let new_digest = digest(&bytes);
-        let stable = self.router.version(name).ok_or_else(|| DeployError::UnknownHandler(name.to_owned()))?;
+        let stable = self
+            .router
+            .version(name)
+            .ok_or_else(|| DeployError::UnknownHandler(name.to_owned()))?;
         if let Some(c) = self.canaries.lock().get(name) {
             return Err(DeployError::Conflict(format!(
                 "a canary of `{name}` runs already (version {}, slots {:?}): promote it or roll it back first",
@@ -431,7 +440,7 @@ impl Registry {
             .compiled_in
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let mut canary = Canary {
-            id: self.canaries.lock().len() as i64, // replaced below
+            id: 0, // given by the store below
             digest: new_digest.clone(),
             slots: slots.clone(),
             grants,
@@ -543,7 +552,11 @@ impl Registry {
         let canary = Tally::of(&r.version.tally);
         let stable = stable.map_or_else(Tally::default, |s| {
             let now = Tally::of(&s.tally);
-            if s.id == r.baseline.0 { now.since(r.baseline.1) } else { now }
+            if s.id == r.baseline.0 {
+                now.since(r.baseline.1)
+            } else {
+                now
+            }
         });
         (canary, stable)
     }
@@ -640,7 +653,10 @@ impl Registry {
                 .await
                 .map_err(DeployError::Store)?,
         }
-        let stable = self.router.version(name).ok_or_else(|| DeployError::UnknownHandler(name.to_owned()))?;
+        let stable = self
+            .router
+            .version(name)
+            .ok_or_else(|| DeployError::UnknownHandler(name.to_owned()))?;
         self.run_canary(name, stable, None);
         tracing::warn!(handler = name, digest = %canary.digest, slots = ?canary.slots, %reason, "canary rolled back; every slot runs the stable version");
         Ok(Some(self.ended(name, &canary, "rolled-back", reason, Some(compare))))
@@ -699,7 +715,9 @@ impl Registry {
                             r.cluster = Some((c, s));
                         }
                     }
-                    Err(e) => tracing::warn!(handler = %name, error = %format!("{e:#}"), "cannot share the canary's tally; judging this node's alone"),
+                    Err(e) => {
+                        tracing::warn!(handler = %name, error = %format!("{e:#}"), "cannot share the canary's tally; judging this node's alone")
+                    }
                 }
             }
             let Some(why) = canary.thresholds.breached(&c) else {
@@ -716,7 +734,13 @@ impl Registry {
                     Store::Shared(shared) => self.sync_one(shared.as_ref(), &name).await.is_ok(),
                     _ => false,
                 };
-                if !synced || self.canaries.lock().get(&name).is_some_and(|r| r.canary.id == canary.id) {
+                if !synced
+                    || self
+                        .canaries
+                        .lock()
+                        .get(&name)
+                        .is_some_and(|r| r.canary.id == canary.id)
+                {
                     tracing::error!(handler = %name, error = %e, "the canary crossed its threshold but could not be rolled back; trying again");
                 }
             }
@@ -732,21 +756,21 @@ impl Registry {
         canary: Option<Canary>,
     ) -> anyhow::Result<()> {
         let ours = self.canaries.lock().get(name).map(|r| (r.canary.id, r.version.clone()));
-        let version = match (&canary, ours) {
-            (None, None) => return Ok(()),
-            (Some(c), Some((id, v))) if id == c.id => {
+        let Some(canary) = canary else {
+            if ours.is_some() {
+                self.run_canary(name, stable, None);
+            }
+            return Ok(());
+        };
+        let version = match ours {
+            Some((id, v)) if id == canary.id => {
                 if self.router.version(name).is_some_and(|s| s.id == stable.id) {
                     return Ok(()); // as it runs already
                 }
                 v
             }
-            (Some(c), _) => self.canary_version(name, c).await?,
-            (None, Some(_)) => {
-                self.run_canary(name, stable, None);
-                return Ok(());
-            }
+            _ => self.canary_version(name, &canary).await?,
         };
-        let canary = canary.expect("matched Some above");
         tracing::info!(handler = name, digest = %canary.digest, slots = ?canary.slots, "running the cluster's canary");
         self.run_canary(name, stable, Some((canary, version)));
         Ok(())
@@ -764,7 +788,13 @@ impl Registry {
         }
         let bytes = self.bytes_of(name, &c.digest).await?;
         Ok(self
-            .compile(name, &bytes, &c.grants, &format!("canary {} of `{name}`", c.digest), Priority::Background)
+            .compile(
+                name,
+                &bytes,
+                &c.grants,
+                &format!("canary {} of `{name}`", c.digest),
+                Priority::Background,
+            )
             .await?)
     }
 
@@ -817,7 +847,21 @@ mod tests {
             min_messages: 1,
             ..Thresholds::default()
         };
-        assert!(dl.breached(&Tally { dead_lettered: 1, ..Tally::default() }).unwrap().contains("dead-letter"));
-        assert!(Thresholds { max_retry_rate: Some(1.5), ..Thresholds::default() }.check().is_err());
+        assert!(
+            dl.breached(&Tally {
+                dead_lettered: 1,
+                ..Tally::default()
+            })
+            .unwrap()
+            .contains("dead-letter")
+        );
+        assert!(
+            Thresholds {
+                max_retry_rate: Some(1.5),
+                ..Thresholds::default()
+            }
+            .check()
+            .is_err()
+        );
     }
 }

@@ -88,6 +88,12 @@ impl Registry {
         self.check_grants(spec, &grants)?;
         let _queue = self.queue(caller).lock_owned().await;
         let _changing = self.changing(name).await;
+        if let Some(c) = self.canaries.lock().get(name) {
+            return Err(DeployError::Conflict(format!(
+                "a canary of `{name}` runs (version {}, slots {:?}): promote it or roll it back before deploying",
+                c.canary.digest, c.canary.slots
+            )));
+        }
         let bytes: Arc<[u8]> = Arc::from(self.read_upload(upload).await?);
         let new_digest = digest(&bytes);
         let (current, same) = {
@@ -132,7 +138,10 @@ impl Registry {
     /// Size checks first: an upload larger than `node.max_component_size` is refused.
     pub(super) fn check_size(&self, upload: &Upload) -> Result<(), DeployError> {
         match upload.size() {
-            size if size > self.max_size => Err(DeployError::TooLarge { size, max: self.max_size }),
+            size if size > self.max_size => Err(DeployError::TooLarge {
+                size,
+                max: self.max_size,
+            }),
             _ => Ok(()),
         }
     }
@@ -286,6 +295,10 @@ impl Registry {
     /// The swap itself: install `version` in the router (the old one is
     /// retired), count it, say so.
     pub(super) fn swap_in(&self, name: &str, version: Arc<HandlerVersion>, activation: &Activation) {
+        // Beside a running canary the stable version counts its calls too.
+        if self.canaries.lock().contains_key(name) {
+            version.tallying.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let old = self.router.install(version);
         self.swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(

@@ -125,8 +125,18 @@ impl Buckets {
             let out = f(&mut doc)?;
             let value = serde_json::to_vec(&doc).context("encoding a handler record")?;
             let written = match revision {
-                Some(r) => self.handlers.update(doc_key(name), value.into(), r).await.map(|_| ()).map_err(|e| e.to_string()),
-                None => self.handlers.create(doc_key(name), value.into()).await.map(|_| ()).map_err(|e| e.to_string()),
+                Some(r) => self
+                    .handlers
+                    .update(doc_key(name), value.into(), r)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                None => self
+                    .handlers
+                    .create(doc_key(name), value.into())
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
             };
             match written {
                 Ok(()) => return Ok(out),
@@ -237,7 +247,8 @@ impl Shared for Buckets {
     }
 
     async fn end_canary(&self, name: &str, id: i64, reason: &str) -> anyhow::Result<()> {
-        self.change(name, |doc| end(doc, name, id, "rolled-back", reason)).await?;
+        self.change(name, |doc| end(doc, name, id, "rolled-back", reason))
+            .await?;
         self.forget_tallies(id).await;
         Ok(())
     }
@@ -253,7 +264,13 @@ impl Shared for Buckets {
         Ok(a)
     }
 
-    async fn tally_canary(&self, id: i64, node: &str, canary: &Tally, stable: &Tally) -> anyhow::Result<(Tally, Tally)> {
+    async fn tally_canary(
+        &self,
+        id: i64,
+        node: &str,
+        canary: &Tally,
+        stable: &Tally,
+    ) -> anyhow::Result<(Tally, Tally)> {
         let value = serde_json::to_vec(&(canary, stable))?;
         self.handlers
             .put(format!("t.{id}.{}", hex::encode(node)), value.into())
@@ -277,7 +294,9 @@ impl Shared for Buckets {
             .await
             .context("watching the handlers bucket")?;
         // An error ends the stream: the follower watches again.
-        Ok(Some(Box::pin(watch.take_while(|e| std::future::ready(e.is_ok())).map(|_| ()))))
+        Ok(Some(Box::pin(
+            watch.take_while(|e| std::future::ready(e.is_ok())).map(|_| ()),
+        )))
     }
 }
 

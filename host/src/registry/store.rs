@@ -4,11 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context as _;
-use serde::{Deserialize, Serialize};
 use super::canary::Canary;
 use super::shared::Shared;
 use super::types::Activation;
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
 
 /// Where versions are kept.
 pub enum Store {
@@ -225,7 +225,8 @@ pub mod pg {
         Ok(Activation { seq, previous, ..a })
     }
 
-    const CANARY_COLUMNS: &str = "id, digest, slots, thresholds, grants, node, (extract(epoch FROM started_at) * 1000)::bigint AS started_ms";
+    const CANARY_COLUMNS: &str =
+        "id, digest, slots, thresholds, grants, node, (extract(epoch FROM started_at) * 1000)::bigint AS started_ms";
 
     fn canary_of(r: &sqlx::postgres::PgRow) -> anyhow::Result<Canary> {
         let slots: Vec<i32> = r.try_get("slots")?;
@@ -285,8 +286,15 @@ pub mod pg {
         .bind(name)
         .fetch_optional(pool)
         .await?;
-        row.map(|r| Ok((canary_of(&r)?, r.try_get("outcome")?, r.try_get("reason")?, r.try_get("ended_ms")?)))
-            .transpose()
+        row.map(|r| {
+            Ok((
+                canary_of(&r)?,
+                r.try_get("outcome")?,
+                r.try_get("reason")?,
+                r.try_get("ended_ms")?,
+            ))
+        })
+        .transpose()
     }
 
     /// End canary `id` of `name` (still live) as `outcome`.

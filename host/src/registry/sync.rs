@@ -68,7 +68,8 @@ impl Registry {
         self.sync_current(shared, name).await?;
         let live = shared.live_canary(name).await?;
         let ours = self.canaries.lock().get(name).map(|r| r.canary.id);
-        if ours.is_some() && live.as_ref().map(|c| c.id) != ours
+        if ours.is_some()
+            && live.as_ref().map(|c| c.id) != ours
             && let Some((c, outcome, reason, at_ms)) = shared.last_ended(name).await?
             && Some(c.id) == ours
         {
@@ -77,7 +78,11 @@ impl Registry {
                 super::canary::Ended {
                     digest: c.digest,
                     slots: c.slots,
-                    outcome: if outcome == "promoted" { "promoted" } else { "rolled-back" },
+                    outcome: if outcome == "promoted" {
+                        "promoted"
+                    } else {
+                        "rolled-back"
+                    },
                     reason,
                     at_ms,
                     compare: self.canary(name).map(|v| v.compare),
