@@ -23,9 +23,8 @@ use async_trait::async_trait;
 use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 
-use super::canary::{Canary, Tally};
 use super::shared::{Changes, EndedRecord, Shared};
-use super::types::{Activation, digest};
+use super::types::{Activation, Canary, Tally, digest};
 use crate::dedup::kv::side_bucket;
 
 /// Bytes per component chunk.

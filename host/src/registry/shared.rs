@@ -10,8 +10,7 @@ use std::pin::Pin;
 use async_trait::async_trait;
 use futures::Stream;
 
-use super::canary::{Canary, Tally};
-use super::types::Activation;
+use super::types::{Activation, Canary, Tally};
 
 /// Wakes a follower when a handler's versions may have changed.
 pub type Changes = Pin<Box<dyn Stream<Item = ()> + Send>>;

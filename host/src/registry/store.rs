@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::canary::Canary;
 use super::shared::Shared;
 use super::types::Activation;
+use super::types::Canary;
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
@@ -104,9 +104,9 @@ pub mod pg {
     use anyhow::Context as _;
     use sqlx::{PgPool, Row as _};
 
-    use super::super::canary::{Canary, Tally};
-    use super::super::shared::{Changes, EndedRecord};
+    use super::super::shared::{Changes, EndedRecord, Shared};
     use super::super::types::{Activation, Grants};
+    use super::super::types::{Canary, Tally};
 
     /// Notified with the handler name after every activation.
     pub const CHANNEL: &str = "weir_handlers";
@@ -370,7 +370,7 @@ pub mod pg {
     pub struct Database(pub PgPool);
 
     #[async_trait::async_trait]
-    impl super::Shared for Database {
+    impl Shared for Database {
         fn label(&self) -> &'static str {
             "database"
         }

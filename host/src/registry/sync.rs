@@ -75,7 +75,7 @@ impl Registry {
         {
             self.ended.lock().insert(
                 name.to_owned(),
-                super::canary::Ended {
+                super::types::Ended {
                     digest: c.digest,
                     slots: c.slots,
                     outcome: if outcome == "promoted" {
