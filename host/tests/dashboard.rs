@@ -4,7 +4,8 @@
 //! on one memory broker: the page, opened on the first with the operator's
 //! token, shows the four slots owned; a second node joins and the page shows
 //! a slot change owner; a dead letter is redriven by a click in the page and
-//! is handled. A tenant's token gets the same page read-only. The
+//! is handled. A tenant's token gets the same page read-only. A canary
+//! shows beside the stable version and is promoted by a click. The
 //! screenshot it takes is docs/dashboard.png's source.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -17,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::CallLog;
-use common::http::{free_port, wait_up};
+use common::http::{call, current, digest, free_port, variant, wait_up};
 use common::pg::TestDb;
 use weir::config;
 use weir::envelope;
@@ -70,7 +71,7 @@ fn driver() -> PathBuf {
         );
         std::fs::write(&stamp, &lock).unwrap();
     }
-    for f in ["dashboard.mjs", "dashboard-tenant.mjs"] {
+    for f in ["dashboard.mjs", "dashboard-tenant.mjs", "dashboard-canary.mjs"] {
         std::fs::copy(src.join(f), work.join(f)).unwrap();
     }
     work.join("dashboard.mjs")
@@ -230,6 +231,37 @@ async fn the_dashboard_shows_a_slot_move_and_redrives_a_dead_letter_on_a_click()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("TENANT read-only"), "{text}");
+
+    // A canary on slot 0: the page shows it against the stable version, and
+    // a click on Promote makes it the handler's version.
+    let v2 = variant(&std::fs::read(bundled::FAULTY_PATH).unwrap(), "dashboard-canary");
+    let body = v2.clone();
+    let (code, answer) = tokio::task::spawn_blocking(move || {
+        call("PUT", port, "/v1/handlers/faulty?canary_slots=0", Some(TOKEN), &body)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, 200, "{answer}");
+    let out = Command::new("node")
+        .arg(script.with_file_name("dashboard-canary.mjs"))
+        .arg(format!("http://127.0.0.1:{port}/"))
+        .arg(TOKEN)
+        .arg("faulty")
+        .env("WEIR_CHROMIUM", &chromium)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let short: String = digest(&v2).chars().take(12).collect();
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("CANARY canary {short} on slots 0 of 4")),
+        "{text}"
+    );
+    assert!(text.contains("PROMOTED"), "{text}");
+    let now = tokio::task::spawn_blocking(move || current(port, Some(TOKEN), "faulty"))
+        .await
+        .unwrap();
+    assert_eq!(now, digest(&v2), "promoted through the page");
 
     b.shutdown().await.unwrap();
     a.shutdown().await.unwrap();
