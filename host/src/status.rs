@@ -13,6 +13,10 @@ use weir::cluster::status::Status;
 use weir::cluster::{nats_kv, postgres};
 use weir::config::{self, ClusterMode};
 use weir::node;
+use weir::registry::canary;
+use weir::registry::kv::Buckets;
+use weir::registry::shared::Shared;
+use weir::registry::store::pg::Database;
 
 /// What `weir status` was asked.
 pub struct Request {
@@ -198,7 +202,7 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
         return Ok((from_admin(&admin, token.as_deref())?, canaries));
     }
     crate::runtime()?.block_on(async {
-        let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
+        let (mut status, versions): (Status, Option<Box<dyn Shared>>) = if cfg.cluster.mode == ClusterMode::NatsKv {
             let kv = nats_kv::NatsKv::open(
                 &cfg.transport.urls(),
                 "weir status",
@@ -213,13 +217,19 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
                     cfg.cluster.bucket()
                 )
             })?;
-            nats_kv::status(&kv, cfg.cluster.lease).await?
+            let status = nats_kv::status(&kv, cfg.cluster.lease).await?;
+            let client = weir::transport::nats::connect(&cfg.transport.urls(), "weir status").await?;
+            let versions = Buckets::existing(&async_nats::jetstream::new(client), cfg.cluster.bucket())
+                .await?
+                .map(|b| Box::new(b) as Box<dyn Shared>);
+            (status, versions)
         } else {
             let url = cfg.cluster.database_url.clone().unwrap_or_default();
             let pool = postgres::connect(&url)
                 .await
                 .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
-            postgres::status::status(&pool).await?
+            let status = postgres::status::status(&pool).await?;
+            (status, Some(Box::new(Database(pool)) as Box<dyn Shared>))
         };
         // Lag and consumers per slot from the broker; a broker that cannot answer leaves them unknown.
         let transport = node::transport_for(&cfg)?;
@@ -239,14 +249,33 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
                 }
             }
         }
-        // The canaries a node's admin listener shows, when the config names one.
-        let canaries = match cfg.node.admin {
-            Some(addr) => {
-                let token = req.token.clone().or_else(|| cfg.node.admin_token.clone());
-                canaries_from_admin(&[format!("http://{addr}")], token.as_deref())
+        // The running canaries and the cluster's comparison, from the store.
+        let handlers: Vec<(String, u32)> = cfg
+            .handler
+            .iter()
+            .map(|h| {
+                let slots = cfg
+                    .topology
+                    .iter()
+                    .find(|t| t.name == h.topology)
+                    .map_or(1, |t| t.slots);
+                (h.name.clone(), slots)
+            })
+            .collect();
+        let mut canaries = Vec::new();
+        if let Some(versions) = versions {
+            match canary::in_store(versions.as_ref(), &handlers).await {
+                Ok(list) => {
+                    for (handler, view) in list {
+                        canaries.push(Canary {
+                            handler,
+                            canary: serde_json::to_value(view)?,
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the running canaries"),
             }
-            None => Vec::new(),
-        };
+        }
         anyhow::Ok((status, canaries))
     })
 }

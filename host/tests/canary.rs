@@ -308,8 +308,8 @@ impl Cluster {
     }
 }
 
-async fn cluster_node(cluster: &Cluster, name: &str) -> (Node, u16) {
-    let port = free_port();
+/// A node's config in `cluster`, its admin listener on `port`.
+fn cluster_config(cluster: &Cluster, name: &str, port: u16) -> String {
     let (lines, topology) = match cluster {
         Cluster::Postgres(db, _) => (common::registry::cluster(&db.url()), "canary-cluster".to_owned()),
         Cluster::NatsKv(bucket, topo) => (common::registry::cluster(&bucket.url()), topo.name.clone()),
@@ -318,7 +318,7 @@ async fn cluster_node(cluster: &Cluster, name: &str) -> (Node, u16) {
         Cluster::Postgres(..) => String::new(),
         Cluster::NatsKv(..) => format!("[transport]\nkind = \"nats\"\nurl = \"{}\"\n", common::nats::url()),
     };
-    let text = format!(
+    format!(
         r#"
 [node]
 name = "{name}"
@@ -338,7 +338,12 @@ topology = "{topology}"
 message_types = ["canary"]
 "#,
         faulty = bundled::FAULTY_PATH,
-    );
+    )
+}
+
+async fn cluster_node(cluster: &Cluster, name: &str) -> (Node, u16) {
+    let port = free_port();
+    let text = cluster_config(cluster, name, port);
     let cfg = config::parse(&text, "<canary cluster test>").unwrap();
     let opts = NodeOptions {
         workers: 1,
@@ -415,6 +420,24 @@ async fn reaches_every_node(cluster: Cluster, kept_in: &str) {
         handler(port_a).await["canary"]["compare"]["scope"] == "cluster"
     })
     .await;
+
+    // weir status --config reads the canary and the cluster's comparison
+    // from the store, without asking a node.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("weir.toml");
+    std::fs::write(&file, cluster_config(&cluster, "status", free_port())).unwrap();
+    let path = file.to_str().unwrap().to_owned();
+    let (code, out, err) = tokio::task::spawn_blocking(move || weir(&["status", "--config", &path]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let short: String = digest(&v2).chars().take(12).collect();
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("orders") && l.contains("canary") && l.contains(&short) && l.contains("0,2")),
+        "{out}"
+    );
+    assert!(out.contains("scope cluster"), "{out}");
 
     // A node that joins now runs the canary too.
     let (c, port_c) = cluster_node(&cluster, "canary-c").await;

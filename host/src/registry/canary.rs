@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::shared::Shared;
 use super::store::{Store, write_canary, write_component};
 use super::types::{Caller, DeployError, Grants, Upload, digest};
 use super::{Priority, Registry, State, now_ms};
@@ -542,6 +543,39 @@ impl Registry {
             .filter_map(|n| Some((n.clone(), self.canary(&n)?)))
             .collect()
     }
+}
+
+/// The live canaries of `handlers` (name, slots of its topology) as the
+/// cluster's store holds them, each with the cluster's comparison: what
+/// `weir status --config` shows without asking a node.
+pub async fn in_store(shared: &dyn Shared, handlers: &[(String, u32)]) -> anyhow::Result<Vec<(String, CanaryView)>> {
+    let mut out = Vec::new();
+    for (name, topology_slots) in handlers {
+        let Some(canary) = shared.live_canary(name).await? else {
+            continue;
+        };
+        let stable = shared
+            .activations(name)
+            .await?
+            .last()
+            .map(|a| a.digest.clone())
+            .unwrap_or_default();
+        let (c, s) = shared.canary_tallies(canary.id).await?;
+        let compare = Compare {
+            canary: Side::new(&canary.digest, c),
+            stable: Side::new(&stable, s),
+            scope: "cluster",
+        };
+        out.push((
+            name.clone(),
+            CanaryView {
+                canary,
+                topology_slots: *topology_slots,
+                compare,
+            },
+        ));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

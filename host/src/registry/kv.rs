@@ -78,6 +78,18 @@ fn now_ms() -> i64 {
 }
 
 impl Buckets {
+    /// The two buckets beside coordination bucket `bucket`, if a node made
+    /// them (reads only: `weir status`).
+    pub async fn existing(js: &jetstream::Context, bucket: &str) -> anyhow::Result<Option<Self>> {
+        let (Ok(handlers), Ok(components)) = (
+            js.get_key_value(handlers_bucket(bucket)).await,
+            js.get_key_value(components_bucket(bucket)).await,
+        ) else {
+            return Ok(None);
+        };
+        Ok(Some(Self { handlers, components }))
+    }
+
     /// Open (or create) the two buckets beside coordination bucket `bucket`.
     pub async fn open(js: &jetstream::Context, bucket: &str, replicas: usize) -> anyhow::Result<Self> {
         let handlers = side_bucket(
@@ -275,6 +287,10 @@ impl Shared for Buckets {
             .put(format!("t.{id}.{}", hex::encode(node)), value.into())
             .await
             .context("writing the canary's tally")?;
+        self.canary_tallies(id).await
+    }
+
+    async fn canary_tallies(&self, id: i64) -> anyhow::Result<(Tally, Tally)> {
         let mut sum = (Tally::default(), Tally::default());
         for key in self.tally_keys(id).await? {
             if let Some(v) = self.handlers.get(&key).await.context("reading a canary tally")?

@@ -43,6 +43,8 @@ pub trait Shared: Send + Sync {
     async fn end_canary(&self, name: &str, id: i64, reason: &str) -> anyhow::Result<()>;
     /// End live canary `id` as promoted and activate its version, at once.
     async fn promote(&self, name: &str, id: i64, a: Activation) -> anyhow::Result<Activation>;
+    /// The cluster's sums of canary `id`'s tallies: (canary, stable).
+    async fn canary_tallies(&self, id: i64) -> anyhow::Result<(Tally, Tally)>;
     /// Record `node`'s tally of canary `id`; the cluster's sums (canary, stable).
     async fn tally_canary(&self, id: i64, node: &str, canary: &Tally, stable: &Tally)
     -> anyhow::Result<(Tally, Tally)>;

@@ -352,6 +352,11 @@ pub mod pg {
         .execute(pool)
         .await
         .context("writing the canary's tally")?;
+        canary_tallies(pool, id).await
+    }
+
+    /// The cluster's sums of canary `id`'s tallies: (canary, stable).
+    pub async fn canary_tallies(pool: &PgPool, id: i64) -> anyhow::Result<(Tally, Tally)> {
         let rows = sqlx::query("SELECT canary_tally, stable_tally FROM weir_handler_canary_tallies WHERE canary = $1")
             .bind(id)
             .fetch_all(pool)
@@ -406,6 +411,9 @@ pub mod pg {
             stable: &Tally,
         ) -> anyhow::Result<(Tally, Tally)> {
             tally_canary(&self.0, id, node, canary, stable).await
+        }
+        async fn canary_tallies(&self, id: i64) -> anyhow::Result<(Tally, Tally)> {
+            canary_tallies(&self.0, id).await
         }
         async fn changes(&self) -> anyhow::Result<Option<Changes>> {
             let mut l = sqlx::postgres::PgListener::connect_with(&self.0)
