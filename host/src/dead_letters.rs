@@ -530,15 +530,27 @@ async fn redrive(
     }
     let t = target(common).await?;
     let (bar, progress) = bar();
+    let database = match t.cfg.cluster.mode {
+        config::ClusterMode::Postgres => {
+            let url = t.cfg.cluster.database_url.clone().unwrap_or_default();
+            Some(weir::cluster::postgres::connect(&url).await?)
+        }
+        _ => None,
+    };
+    // A redrive's count, provenance and pin are sealed with the key the
+    // cluster's nodes share; without one, a node would not honour them.
+    let shared_key = weir::seal::key::shared(&t.cfg);
+    if !shared_key && handler_version.is_some() {
+        bail!(
+            "refused, nothing was moved: --handler-version needs the sealing key the nodes share, and {} gives none \
+             (no node.data_dir, cluster.seal_key_file or coordinated cluster.mode); redrive through the node's admin \
+             API instead (POST /v1/dead-letters/redrive?handler_version=…)",
+            t.cfg.origin
+        );
+    }
+    let seal = weir::seal::key::load(&t.cfg, database.as_ref()).await?;
     let selection = select(&t, &filter, &progress).await?;
     if let Some(pin) = &handler_version {
-        let database = match t.cfg.cluster.mode {
-            config::ClusterMode::Postgres => {
-                let url = t.cfg.cluster.database_url.clone().unwrap_or_default();
-                Some(weir::cluster::postgres::connect(&url).await?)
-            }
-            _ => None,
-        };
         let check = StoredPins {
             cfg: &t.cfg,
             router: node::bind_handlers(&t.cfg)?,
@@ -554,7 +566,16 @@ async fn redrive(
     let report = if dry_run {
         selection.dry_run(t.slots, pin).await
     } else {
-        selection.redrive(t.transport.as_ref(), t.slots, pin, &progress).await
+        if !shared_key {
+            eprintln!(
+                "note: {} gives no sealing key the nodes share, so they will keep this redrive's count and provenance \
+                 as untrusted-weir-* headers; redrive through a node's admin API to keep them as Weir's",
+                t.cfg.origin
+            );
+        }
+        selection
+            .redrive(t.transport.as_ref(), &seal, t.slots, pin, &progress)
+            .await
     };
     bar.finish_and_clear();
     if common.json {

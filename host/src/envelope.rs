@@ -49,6 +49,10 @@ pub mod header {
     /// on: set by a redrive with `--handler-version`. A message whose pin the
     /// node cannot resolve is dead-lettered `no-handler`, saying why.
     pub const HANDLER_PIN: &str = "weir-handler-pin";
+    /// Weir's seal over the `weir-*` headers it writes onto a message it
+    /// sends back to a slot (see `crate::seal`): without a valid one, those
+    /// headers came from a publisher or a guest and are not Weir's.
+    pub const SEAL: &str = "weir-seal";
 
     /// The provenance headers a capture writes, which a redrive moves out of
     /// the way: each is kept under its [`redriven`] name.

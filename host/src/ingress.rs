@@ -107,7 +107,9 @@ async fn forward_one(p: &Pipeline, topology: &str, slots: u32, d: Delivery) -> b
                     // It can never be forwarded (its headers do not fit the
                     // broker's rules): returning it would loop for ever.
                     let err = DecodeError::Unsendable(e.detail);
-                    let wire = envelope::encode(&env);
+                    let mut wire = envelope::encode(&env);
+                    // Nothing Weir sends goes to an ingress: its weir-* headers are a publisher's.
+                    p.seal.admit_raw(&mut wire);
                     let outcome = capture_raw(p.sink(), topology, wire, &err, &source, tag, acker).await;
                     !matches!(outcome, Outcome::Requeued)
                 }
@@ -121,7 +123,8 @@ async fn forward_one(p: &Pipeline, topology: &str, slots: u32, d: Delivery) -> b
                 }
             }
         }
-        Err((wire, err)) => {
+        Err((mut wire, err)) => {
+            p.seal.admit_raw(&mut wire);
             let outcome = capture_raw(p.sink(), topology, wire, &err, &source, tag, acker).await;
             !matches!(outcome, Outcome::Requeued)
         }

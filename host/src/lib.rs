@@ -16,6 +16,10 @@
 /// The config file: types, defaults, validation, units.
 pub mod config;
 
+/// Weir's own headers are Weir's: the seal over what it writes onto a
+/// message, checked before anything reads a `weir-*` header (a leaf).
+pub mod seal;
+
 /// Thread priorities (a leaf).
 pub mod sched;
 

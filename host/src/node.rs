@@ -57,6 +57,10 @@ pub struct NodeOptions {
     /// Negative control for tests: batches run outside their group's lane.
     #[doc(hidden)]
     pub bypass_batch_lanes: bool,
+    /// Negative control for tests: every `weir-*` header of every delivery
+    /// is believed, sealed or not (as before `weir::seal`). Never in production.
+    #[doc(hidden)]
+    pub negative_control_trust_weir_headers: bool,
     /// Fault injection for tests: the job holding the first message of this
     /// type panics, once. Never in production.
     #[doc(hidden)]
@@ -301,7 +305,8 @@ async fn connect_database(config: &Config) -> anyhow::Result<Option<PgPool>> {
 }
 
 /// The buckets a `nats-kv` cluster of coordination bucket `bucket` may make
-/// beside it (handler versions, components, dedup records, parked groups),
+/// beside it (handler versions, components, dedup records, parked groups,
+/// the sealing key),
 /// for whoever deletes a cluster.
 pub fn side_buckets(bucket: &str) -> Vec<String> {
     vec![
@@ -309,6 +314,7 @@ pub fn side_buckets(bucket: &str) -> Vec<String> {
         crate::registry::kv::components_bucket(bucket),
         crate::dedup::kv::bucket_name(bucket),
         crate::parked::kv::bucket_name(bucket),
+        crate::seal::key::bucket_name(bucket),
     ]
 }
 
@@ -575,6 +581,21 @@ impl Node {
         let registry = Registry::start(config, runtime.clone(), router.clone(), versions).await?;
         let topologies = declare_topologies(config, transport.as_ref()).await?;
         let bucket = open_bucket(config).await?;
+        let mut seal = crate::seal::key::load(config, database.as_ref()).await?;
+        if opts.negative_control_trust_weir_headers {
+            tracing::error!(
+                "every weir-* header of every delivery is believed (a test's negative control; never in production)"
+            );
+            seal = seal.negative_control_trusting_everything();
+        }
+        if crate::seal::key::shared(config) || config.transport.kind == crate::config::TransportKind::Memory {
+            tracing::debug!(key = seal.origin(), "weir-* headers sealed");
+        } else {
+            tracing::info!(
+                "weir-* headers are sealed with a key of this process: a retry or redrive in flight when it restarts \
+                 loses its attempt count and pin (set node.data_dir to keep the key)"
+            );
+        }
         let pipeline = Arc::new(Pipeline {
             transport: transport.clone(),
             pool: Arc::new(WorkerPool::new(runtime, opts.workers)?),
@@ -584,6 +605,7 @@ impl Node {
             dedup: open_dedup(config).await?,
             parked: open_parked(config, database.as_ref()).await?,
             orders: Default::default(),
+            seal,
         });
         let coordinator = cluster::coordinator(config, database, bucket)?;
         let (stop, stop_rx) = watch::channel(false);
@@ -611,6 +633,7 @@ impl Node {
                     limits: admin::Limits::from_config(config),
                     topologies: topologies.clone(),
                     mode: config.cluster.mode.as_str(),
+                    seal: pipeline.seal.clone(),
                 });
                 Some(admin::serve(addr, state, stop_rx.clone()).await?)
             }

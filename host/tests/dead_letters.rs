@@ -689,7 +689,11 @@ async fn ordered_redrive(broker: Broker, negative_control: bool) -> Vec<usize> {
         all.push(id);
         s.capture(w).await;
     }
-    let cfg_text = s.config_text(&["slow", "ok"], "", "");
+    // One data directory for the node and the command: the key that seals
+    // the redrive's headers lives there, so the node believes them.
+    let data = tempfile::tempdir().unwrap();
+    let node_extra = format!("data_dir = {:?}", data.path().display().to_string());
+    let cfg_text = s.config_text(&["slow", "ok"], &node_extra, "");
     let cfg = config::parse(&cfg_text, "<dead-letter test>").unwrap();
     let file = s.config_file(&cfg_text);
     let watch = Arc::new(Watch::default());
@@ -1038,8 +1042,13 @@ async fn redrive_pins_a_kept_version_and_refuses_one_it_cannot_honour() {
             vec![],
         )
     };
-    let lost_pin = pinned("ok", &never);
-    let good_pin = pinned("ok", &v1);
+    // Pins are honoured only when sealed with the cluster's key (here the
+    // node's data directory), as a redrive seals them.
+    let seal = weir::seal::key::load(&cfg, None).await.unwrap();
+    let mut lost_pin = pinned("ok", &never);
+    let mut good_pin = pinned("ok", &v1);
+    seal.sign(&mut lost_pin, true);
+    seal.sign(&mut good_pin, true);
     node.publish(&s.name, &lost_pin).await.unwrap();
     node.publish(&s.name, &good_pin).await.unwrap();
     watch

@@ -272,7 +272,7 @@ pub(super) async fn redrive(
         selection.dry_run(slots, pin).await
     } else {
         selection
-            .redrive(s.transport.as_ref(), slots, pin, &deadletter::no_progress)
+            .redrive(s.transport.as_ref(), &s.seal, slots, pin, &deadletter::no_progress)
             .await
     };
     let status = match report.stopped {

@@ -259,6 +259,11 @@ impl Collector for Scrape {
                 s.faults,
             ),
             (
+                "untrusted_headers",
+                "Deliveries whose weir-* headers carried no valid seal (from a publisher or a guest): moved under untrusted- names.",
+                s.untrusted_headers,
+            ),
+            (
                 "runner_panics",
                 "Slot runner jobs that panicked (caught; the runner restarted).",
                 s.runner_panics,

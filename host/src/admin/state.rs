@@ -34,4 +34,6 @@ pub struct AdminState {
     pub mode: &'static str,
     /// The slot count of each topology of the config, by name (publishing).
     pub topologies: std::collections::HashMap<String, u32>,
+    /// Seals what a redrive sends (its count, provenance and pin).
+    pub seal: crate::seal::Seal,
 }

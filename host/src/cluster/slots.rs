@@ -156,6 +156,7 @@ impl SlotSet {
             dedup: None,
             parked: None,
             orders: Default::default(),
+            seal: crate::seal::Seal::ephemeral(),
         });
         let settings = TopologySettings {
             topology: Arc::from(topology),

@@ -406,6 +406,13 @@ pub struct Cluster {
     /// [`defaults::drain_deadline`]; read it with [`Cluster::drain_deadline`].
     #[serde(default, deserialize_with = "de_duration_opt")]
     pub drain_deadline: Option<Duration>,
+    /// A file holding the key that seals Weir's own headers (64 hex digits
+    /// or 32 raw bytes, at least). Optional: by default the key lives in
+    /// the cluster's store (`postgres`, `nats-kv`) or in `node.data_dir`.
+    /// Give every node of a `static` cluster without a shared store the
+    /// same file, so a redrive through one node is honoured by another.
+    #[serde(default)]
+    pub seal_key_file: Option<PathBuf>,
 }
 
 impl Cluster {
@@ -435,6 +442,7 @@ impl Default for Cluster {
             bucket: None,
             lease: defaults::LEASE,
             drain_deadline: None,
+            seal_key_file: None,
         }
     }
 }
@@ -617,9 +625,13 @@ impl Config {
 
     /// Resolves relative component and preopen paths against `base`.
     pub fn resolve_paths(&mut self, base: &Path) {
-        for dir in [&mut self.node.data_dir, &mut self.node.components_dir]
-            .into_iter()
-            .flatten()
+        for dir in [
+            &mut self.node.data_dir,
+            &mut self.node.components_dir,
+            &mut self.cluster.seal_key_file,
+        ]
+        .into_iter()
+        .flatten()
         {
             if dir.is_relative() {
                 *dir = base.join(&*dir);

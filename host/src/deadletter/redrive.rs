@@ -217,7 +217,7 @@ impl Selection {
 
     /// Send every selected letter back to its slot of `topology` (`slots`
     /// slots) through `transport`, in the destination's order, each
-    /// re-published as [`redrive_wire`] makes it and removed only once the
+    /// re-published as [`redrive_wire`] makes it (sealed with `seal`) and removed only once the
     /// broker confirmed the re-publish. The first failure stops the redrive
     /// (a group's later letters must not overtake an earlier one): what was
     /// not moved stays dead-lettered, and [`RedriveReport::stopped`] says
@@ -226,10 +226,12 @@ impl Selection {
     pub async fn redrive(
         mut self,
         transport: &dyn Transport,
+        seal: &crate::seal::Seal,
         slots: u32,
         pin: Option<&str>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> RedriveReport {
+        let host_attempts = transport.retry_owner() == crate::transport::RetryOwner::Host;
         let hooks = Hooks::from_env();
         if hooks.reversed {
             self.selected.reverse();
@@ -239,7 +241,10 @@ impl Selection {
         let of = letters.len() as u64;
         for (i, letter) in letters.iter().enumerate() {
             let slot = report.letters[i].slot;
-            let wire = redrive_wire(&letter.wire, pin);
+            let mut wire = redrive_wire(&letter.wire, pin);
+            // Its count, provenance and pin are Weir's: sealed, so the node
+            // honours them (and no publisher's copy of them).
+            seal.sign_wire(&mut wire, host_attempts);
             let at = format!(
                 "#{} ({})",
                 letter.position,

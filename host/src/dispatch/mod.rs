@@ -66,6 +66,8 @@ pub struct Pipeline {
     pub parked: Option<Arc<dyn crate::parked::Store>>,
     /// Each running slot's inbox for operators' orders on parked groups.
     pub orders: parking_lot::Mutex<std::collections::HashMap<(Arc<str>, u32), OrderInbox>>,
+    /// Seals the `weir-*` headers this node writes, and checks those it receives.
+    pub seal: crate::seal::Seal,
 }
 
 /// Where a slot runner takes [`GroupOrder`]s.
@@ -93,6 +95,7 @@ impl Pipeline {
             stats: &self.stats,
             observer: self.observer.as_deref(),
             dedup: self.dedup.as_deref(),
+            seal: &self.seal,
         }
     }
 

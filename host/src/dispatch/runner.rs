@@ -283,7 +283,15 @@ impl SlotRunner {
         }
     }
 
-    fn accept(&mut self, d: Delivery) {
+    fn accept(&mut self, mut d: Delivery) {
+        match &mut d.message {
+            Ok(env) => self.admit_headers(env),
+            Err((wire, _)) => {
+                if self.p.seal.admit_raw(wire) > 0 {
+                    self.p.stats.untrusted_headers.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
         let park;
         let key = match &d.message {
             Err(_) => {
@@ -354,6 +362,23 @@ impl SlotRunner {
         if lane.can_start() && !lane.ready {
             lane.ready = true;
             self.ready.push_back(key);
+        }
+    }
+
+    /// Weir's own headers are Weir's: before anything reads a `weir-*`
+    /// header of this delivery, the ones without a valid seal (a
+    /// publisher's, a guest's) are moved aside ([`crate::seal`]).
+    fn admit_headers(&self, env: &mut crate::envelope::Envelope) {
+        let host_attempts = self.p.transport.retry_owner() == crate::transport::RetryOwner::Host;
+        if let crate::seal::Admission::Untrusted(moved) = self.p.seal.admit(env, host_attempts) {
+            self.p.stats.untrusted_headers.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                topology = %self.s.topology,
+                slot = self.s.slot,
+                message_id = %crate::settle::capture::cut_text(&env.id, 128),
+                moved,
+                "weir-* headers without a valid seal moved under untrusted- names"
+            );
         }
     }
 

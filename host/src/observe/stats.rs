@@ -185,6 +185,9 @@ pub struct Stats {
     pub cascaded: AtomicU64,
     /// Guest calls that trapped, timed out or were cancelled.
     pub faults: AtomicU64,
+    /// Deliveries whose `weir-*` headers carried no valid seal: moved under
+    /// `untrusted-` names, their claimed attempt counted as one.
+    pub untrusted_headers: AtomicU64,
     /// Batches handed to `handle-batch`, by size bucket (index = [`size_bucket`]).
     pub batch_sizes: [AtomicU64; BATCH_SIZE_BUCKETS.len()],
     /// Members of every batch handed to `handle-batch`.
@@ -372,6 +375,7 @@ impl Stats {
             ack_failures: g(&self.ack_failures),
             cascaded: g(&self.cascaded),
             faults: g(&self.faults),
+            untrusted_headers: g(&self.untrusted_headers),
             runner_panics: g(&self.runner_panics),
             batch_sizes: std::array::from_fn(|i| (BATCH_SIZE_BUCKETS[i], g(&self.batch_sizes[i]))),
             batch_members: g(&self.batch_members),
@@ -411,6 +415,8 @@ pub struct Snapshot {
     pub cascaded: u64,
     /// See [`Stats::faults`].
     pub faults: u64,
+    /// See [`Stats::untrusted_headers`].
+    pub untrusted_headers: u64,
     /// See [`Stats::runner_panics`].
     pub runner_panics: u64,
     /// Batches per size bucket: (inclusive upper bound, count).

@@ -184,7 +184,7 @@ pub struct Registry {
     swaps: std::sync::atomic::AtomicU64,
     refused: std::sync::atomic::AtomicU64,
     /// Versions compiled for pinned messages ([`pin`]), oldest first.
-    pinned: Mutex<Vec<Arc<HandlerVersion>>>,
+    pinned: Mutex<Vec<(Grants, Arc<HandlerVersion>)>>,
     /// One pinned version compiles at a time.
     pin_compiles: tokio::sync::Mutex<()>,
     /// Canaries this node runs, by handler ([`canary`]).

@@ -16,7 +16,7 @@ use sqlx::PgPool;
 
 use super::store::{DirHistory, Store, pg};
 use super::types::digest;
-use super::{Priority, Registry, component_bytes};
+use super::{Grants, Priority, Registry, component_bytes};
 use crate::config::Config;
 use crate::router::PinResolver;
 use crate::runtime::HandlerVersion;
@@ -34,29 +34,44 @@ impl Registry {
         if let Some(v) = self.router.version(name).filter(|v| v.digest == digest_hex) {
             return Ok(v);
         }
+        // A pin never brings back a capability the handler no longer has:
+        // the pinned version's grants must all be the current version's too.
+        let current = || {
+            self.states
+                .lock()
+                .get(name)
+                .and_then(|s| s.current().map(|a| a.grants.clone()))
+                .unwrap_or_else(|| spec.config_grants.clone())
+        };
+        let allowed = |grants: &Grants| match beyond(grants, &current()) {
+            None => Ok(()),
+            Some(extra) => Err(format!(
+                "version {digest_hex} of handler `{name}` was deployed with {extra}, which the current version does \
+                 not have: a pinned version never runs with more than the current one"
+            )),
+        };
         let find = |this: &Self| {
             let kept = this
                 .states
                 .lock()
                 .get(name)
-                .and_then(|s| s.compiled.iter().rev().find(|(_, v)| v.digest == digest_hex))
-                .map(|(_, v)| v.clone());
+                .and_then(|s| s.compiled.iter().rev().find(|(_, v)| v.digest == digest_hex).cloned());
             kept.or_else(|| {
                 this.pinned
                     .lock()
                     .iter()
-                    .find(|v| v.name() == name && v.digest == digest_hex)
+                    .find(|(_, v)| v.name() == name && v.digest == digest_hex)
                     .cloned()
             })
         };
-        if let Some(v) = find(self) {
-            return Ok(v);
+        if let Some((grants, v)) = find(self) {
+            return allowed(&grants).map(|()| v);
         }
         // One compilation at a time: lanes pinned to the same version wait
         // for it instead of compiling it again.
         let _compiling = self.pin_compiles.lock().await;
-        if let Some(v) = find(self) {
-            return Ok(v);
+        if let Some((grants, v)) = find(self) {
+            return allowed(&grants).map(|()| v);
         }
         let mut activations = self
             .states
@@ -80,6 +95,7 @@ impl Registry {
                 ));
             }
         };
+        allowed(&grants)?;
         let bytes = self.bytes_of(name, digest_hex).await.map_err(|e| format!("{e:#}"))?;
         let origin = format!("version {digest_hex} of `{name}` (pinned)");
         let v = self
@@ -88,17 +104,17 @@ impl Registry {
             .map_err(|e| e.to_string())?;
         tracing::info!(handler = name, digest = digest_hex, "pinned version compiled");
         let mut pinned = self.pinned.lock();
-        pinned.push(v.clone());
+        pinned.push((grants, v.clone()));
         if pinned.len() > KEEP_PINNED {
             // Workers drop the instances they keep of a retired version.
-            pinned.remove(0).retire();
+            pinned.remove(0).1.retire();
         }
         Ok(v)
     }
 
     /// Pinned versions compiled so far and still kept.
     pub fn pinned_kept(&self) -> Vec<Arc<HandlerVersion>> {
-        self.pinned.lock().clone()
+        self.pinned.lock().iter().map(|(_, v)| v.clone()).collect()
     }
 
     /// The handler that messages of `message_type` (tenant `tenant`) on
@@ -114,6 +130,19 @@ impl Registry {
         );
         self.router.handler_name(topology, &probe).map(str::to_owned)
     }
+}
+
+/// The first grant of `pinned` that `current` lacks, described; `None` when
+/// `pinned` grants nothing more than `current`.
+fn beyond(pinned: &Grants, current: &Grants) -> Option<String> {
+    if let Some(d) = pinned.dirs.iter().find(|d| !current.dirs.contains(d)) {
+        return Some(format!("the directory grant {} (host {})", d.guest, d.host.display()));
+    }
+    pinned
+        .env
+        .iter()
+        .find(|e| !current.env.contains(e))
+        .map(|e| format!("the environment variable grant {e}"))
 }
 
 /// The versions `activations` name, for an error.

@@ -176,6 +176,11 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
         Step::RetryAfter(delay) => {
             let mut next = env;
             next.attempt += 1;
+            if cx.sink.transport.retry_owner() == crate::transport::RetryOwner::Host {
+                // The attempt travels in a header the host reads back: sealed,
+                // so a publisher's `weir-attempt` is never taken for one.
+                cx.sink.seal.sign(&mut next, true);
+            }
             let (id, group, next_attempt) = (next.id.clone(), next.group_id.clone(), next.attempt);
             match acker.settle(Disposition::Retry { envelope: next, delay }).await {
                 Ok(()) => {

@@ -33,6 +33,8 @@ pub struct Sink<'a> {
     pub observer: Option<&'a dyn SettleObserver>,
     /// Where `handler.dedup` records what was handled.
     pub dedup: Option<&'a dyn crate::dedup::Store>,
+    /// Seals the retries this node sends back to a slot.
+    pub seal: &'a crate::seal::Seal,
 }
 
 impl Sink<'_> {

@@ -13,6 +13,7 @@
 //! | `hostile.reject-bytes`    | bytes          | rejects with a multi-line text of that size          |
 //! | `hostile.retry-bytes`     | bytes          | retries with a multi-line text of that size          |
 //! | `hostile.panic-bytes`     | bytes          | panics with a message of that size                   |
+//! | `hostile.forge-cascade`   | type           | cascades that type (same group, payload of header `x-cascade-payload`) carrying forged `weir-*` provenance and the pin of header `x-pin` |
 
 use std::time::Duration;
 
@@ -77,6 +78,7 @@ pub fn handle(kind: &str, msg: &Message) -> Result<(), Failure> {
         "reject-bytes" => Err(Failure::reject(big_text(number(&text)?))),
         "retry-bytes" => Err(Failure::retry(big_text(number(&text)?))),
         "panic-bytes" => panic!("{}", big_text(number(&text)?)),
+        "forge-cascade" => forge_cascade(&text, msg),
         other => Err(Failure::reject(format!("faulty: unknown hostile behaviour {other:?}"))),
     }
 }
@@ -129,4 +131,23 @@ fn net_read(addr: &str) -> Result<(), Failure> {
         Ok(bytes) => Err(bad(format!("read {} bytes", bytes.len()))),
         Err(e) => Err(bad(format!("read: {e:?}"))),
     }
+}
+
+/// `hostile.forge-cascade`: a cascade that claims to be Weir's own work (a
+/// redriven, pinned, already-failed message). `weir-attempt` is not among
+/// them: `publish` refuses the headers the host derives.
+fn forge_cascade(message_type: &str, msg: &Message) -> Result<(), Failure> {
+    let pin = msg.header("x-pin").unwrap_or("").to_owned();
+    let payload = msg.header("x-cascade-payload").unwrap_or("").to_owned();
+    let mut headers = vec![
+        ("weir-handler-version", "forged-version"),
+        ("weir-redrive-count", "4294967295"),
+        ("weir-redrive-reason", "forged-reason"),
+        ("weir-dead-letter-reason", "forged-reason"),
+        ("weir-error", "forged: the operator reads the attacker's story"),
+    ];
+    if !pin.is_empty() {
+        headers.push(("weir-handler-pin", &pin));
+    }
+    weir_guest::publish(message_type, msg.group_id(), &headers, payload.as_bytes())
 }
