@@ -31,7 +31,7 @@ pub fn shared(config: &Config) -> bool {
 }
 
 /// The sealing key of `config`'s cluster (see the module docs); `database`
-/// is the coordinator's pool when the caller already has one.
+/// is the coordinator's pool, which `cluster.mode = "postgres"` needs.
 pub async fn load(config: &Config, database: Option<&sqlx::PgPool>) -> anyhow::Result<Seal> {
     if let Some(path) = &config.cluster.seal_key_file {
         let bytes = read_key_file(path).with_context(|| format!("{}: cluster.seal_key_file", config.origin))?;
@@ -39,15 +39,7 @@ pub async fn load(config: &Config, database: Option<&sqlx::PgPool>) -> anyhow::R
     }
     match config.cluster.mode {
         ClusterMode::Postgres => {
-            let owned;
-            let pool = match database {
-                Some(p) => p,
-                None => {
-                    let url = config.cluster.database_url.as_deref().unwrap_or_default();
-                    owned = crate::cluster::postgres::connect(url).await?;
-                    &owned
-                }
-            };
+            let pool = database.context("reading the sealing key: no connection to cluster.database_url")?;
             let key = from_postgres(pool)
                 .await
                 .context("reading the sealing key (table weir_seal_key)")?;
@@ -161,6 +153,45 @@ mod tests {
         let first = from_file(&path).unwrap();
         assert_eq!(first.len(), 32);
         assert_eq!(from_file(&path).unwrap(), first);
+    }
+
+    #[tokio::test]
+    async fn postgres_nodes_share_the_first_key() {
+        use sqlx::Connection as _;
+        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!("weir_s_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let pool = crate::cluster::postgres::connect(&format!("{server}/{name}"))
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(from_postgres(&pool), from_postgres(&pool));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.len(), 32);
+        assert_eq!(a, b, "two nodes at once: one key");
+        assert_eq!(from_postgres(&pool).await.unwrap(), a);
+        pool.close().await;
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await;
+    }
+
+    #[tokio::test]
+    async fn nats_kv_nodes_share_the_first_key() {
+        let server = std::env::var("WEIR_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+        let name = format!("weir-s-{}-seal", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let js = jetstream::new(async_nats::connect(&server).await.unwrap());
+        let (a, b) = tokio::join!(from_bucket(&js, &name, 1), from_bucket(&js, &name, 1));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.len(), 32);
+        assert_eq!(a, b, "two nodes at once: one key");
+        assert_eq!(from_bucket(&js, &name, 1).await.unwrap(), a);
+        let _ = js.delete_stream(format!("KV_{name}")).await;
     }
 
     #[test]
