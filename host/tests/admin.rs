@@ -2,6 +2,8 @@
 //! Prometheus text and the slots, read over plain HTTP/1.1.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::io::{Read as _, Write as _};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -31,7 +33,7 @@ fn get_with(port: u16, path: &str, headers: &str) -> Option<(u16, String, String
 /// `promtool check metrics` on `text`: its exit code and output. A missing
 /// promtool fails the test with the command that installs it.
 fn promtool(text: &str) -> (i32, String) {
-    let mut child = match Command::new("promtool")
+    let mut child = match Command::new(common::tools::ensure("promtool", "prometheus"))
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -150,7 +152,7 @@ fn promtool_openmetrics(om: &str, scratch: &std::path::Path) -> (i32, String) {
     let input = scratch.join(format!("metrics-{}.om", stamped.len()));
     std::fs::write(&input, stamped).unwrap();
     let blocks = scratch.join(format!("blocks-{}", om.len()));
-    let out = Command::new("promtool")
+    let out = Command::new(common::tools::ensure("promtool", "prometheus"))
         .args(["tsdb", "create-blocks-from", "openmetrics"])
         .arg(&input)
         .arg(&blocks)

@@ -34,7 +34,10 @@ const TOPOLOGY: &str = "dash";
 
 /// Chromium, or the command that installs it.
 fn chromium() -> PathBuf {
-    let path = PathBuf::from(std::env::var("WEIR_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into()));
+    let path = match std::env::var("WEIR_CHROMIUM") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => common::tools::ensure("chromium", "chromium"),
+    };
     assert!(
         path.exists(),
         "{} is missing: the dashboard test drives Debian's chromium; install it with \

@@ -25,7 +25,7 @@ fn read(rel: &str) -> String {
 /// `program args`: exit code and everything it printed. A missing program
 /// fails with the package that brings it.
 fn run(program: &str, args: &[&str], package: &str) -> (i32, String) {
-    let out = Command::new(program)
+    let out = Command::new(common::tools::ensure(program, package))
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("{program}: {e}: install it with `apt-get install {package}`"));

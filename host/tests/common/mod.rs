@@ -13,6 +13,7 @@ pub mod nats_servers;
 pub mod pg;
 pub mod rabbit;
 pub mod registry;
+pub mod tools;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
