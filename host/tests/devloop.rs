@@ -240,6 +240,63 @@ message_types = ["greeting"]
     };
     assert_eq!(greeted, r#"{"name":"Cy","text":"Howdy, Cy!"}"#);
     node.shutdown().await.unwrap();
+
+    // Issue 36 item 1: the template's own weir.toml gives its cascade a home,
+    // so a first run shows no false alarm; the old template's binding (the
+    // negative control) dead-letters every `greeted` as `no-handler`.
+    let weir_toml = std::fs::read_to_string(project.join("weir.toml")).unwrap();
+    assert!(weir_toml.contains(r#"message_types = ["greeting", "greeted"]"#), "{weir_toml}");
+    assert_eq!(first_run(&project, &weir_toml).await, 0, "no dead letter on a first run");
+    let old = weir_toml.replace(r#"["greeting", "greeted"]"#, r#"["greeting"]"#);
+    assert_eq!(first_run(&project, &old).await, 10, "the old template dead-letters each cascade");
+}
+
+/// Run the project's node config `text` (from the project folder, as `weir
+/// run --config weir.toml` would, without its admin listener) on 10
+/// greetings: how many dead letters that made.
+async fn first_run(project: &Path, text: &str) -> usize {
+    let file = project.join("first-run.toml");
+    std::fs::write(&file, text).unwrap();
+    let mut cfg = config::load(&file).unwrap();
+    cfg.node.admin = None;
+    let mem = Arc::new(MemoryBroker::new());
+    let node = Node::start(
+        &cfg,
+        mem.clone(),
+        NodeOptions {
+            workers: 1,
+            runtime: common::cached(weir::runtime::RuntimeOptions::default()),
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let topology = cfg.topology[0].name.clone();
+    for i in 0..10 {
+        let msg = envelope::new_message(
+            format!("first-{i}"),
+            "greeting",
+            Some(format!("g-{i}")),
+            None,
+            vec![],
+            br#"{"name":"Ada"}"#.to_vec(),
+        );
+        node.publish(&topology, &msg).await.unwrap();
+    }
+    // Every greeting and every cascade settled, one way or the other.
+    let start = Instant::now();
+    loop {
+        let s = node.stats().snapshot();
+        let dead: u64 = s.dead_lettered.iter().map(|(_, n)| n).sum();
+        if s.handled + dead >= 20 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the first run did not settle");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    node.shutdown().await.unwrap();
+    std::fs::remove_file(&file).unwrap();
+    mem.dead_letters(&topology).len()
 }
 
 /// Issue 18 item 1: `weir-guest` is publishable as it is (its WIT inside the
