@@ -113,6 +113,32 @@ fn load_refuses_garbage_and_names_the_origin() {
     );
 }
 
+/// Issue 36 item 9: a text file or random bytes given as a handler get
+/// "not WebAssembly at all", not the WAT text parser's error the engine
+/// itself gives them (the control).
+#[test]
+fn load_says_text_and_random_bytes_are_not_webassembly() {
+    let rt = runtime(8);
+    let text = b"name = \"greeter\"\n";
+    let raw = wasmtime::component::Component::new(rt.engine(), text).err().map(|e| format!("{e:#}"));
+    assert!(
+        raw.as_deref().is_some_and(|e| e.contains("expected")),
+        "control: the engine answers with a text parser's error: {raw:?}"
+    );
+    for (bytes, looks) in [
+        (text.to_vec(), "it looks like text"),
+        (vec![0x9f, 0x92, 0x96, 0xff, 0x00], "its first bytes are not"),
+        (Vec::new(), "it is empty"),
+    ] {
+        let err = format!("{:#}", rt.load(&bytes, HandlerSettings::new("x"), "x.wasm").unwrap_err());
+        assert!(
+            err.contains("x.wasm is not a valid WebAssembly component: it is not WebAssembly at all") && err.contains(looks),
+            "{err}"
+        );
+        assert!(!err.contains("expected"), "no parser's error: {err}");
+    }
+}
+
 #[test]
 fn load_refuses_a_core_module() {
     let rt = runtime(8);
@@ -133,8 +159,8 @@ fn load_refuses_a_core_module() {
 #[test]
 fn load_refuses_a_component_outside_the_world() {
     let rt = runtime(8);
-    // A valid component (WAT text; the engine has the `wat` feature) that exports nothing.
-    let empty = b"(component)";
+    // A valid component that exports nothing: the binary preamble alone.
+    let empty = b"\0asm\x0d\x00\x01\x00";
     assert!(
         wasmtime::component::Component::new(rt.engine(), empty).is_ok(),
         "control: a valid component"

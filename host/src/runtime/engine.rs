@@ -199,8 +199,11 @@ impl Runtime {
                 )
             })?;
         }
-        // The parser's error may quote the upload (a text module, a run of
-        // zeros): cut it, so a bad upload's answer and log line stay small.
+        if let Some(why) = not_binary_component(bytes) {
+            anyhow::bail!("{origin} is not a valid WebAssembly component: {why}");
+        }
+        // The parser's error may quote the upload (a run of zeros): cut it,
+        // so a bad upload's answer and log line stay small.
         let (component, compiled_in) = self.compile(bytes, &digest, origin).map_err(|e| {
             let mut why = format!("{e:#}");
             cut_text(&mut why, LOAD_ERROR_BYTES);
@@ -281,5 +284,32 @@ impl Runtime {
         // SAFETY: just produced by this engine's `precompile_component`.
         let c = unsafe { Component::deserialize(&self.engine, &code).map_err(anyhow::Error::from)? };
         Ok((c, Some(took)))
+    }
+}
+
+/// Why `bytes` are not a binary component, before any parser sees them (the
+/// engine would also take WAT text, and a text file or random bytes would
+/// get a text parser's error): `None` when they start like one.
+fn not_binary_component(bytes: &[u8]) -> Option<String> {
+    const MAGIC: &[u8] = b"\0asm";
+    const COMPONENT: [u8; 4] = [0x0d, 0x00, 0x01, 0x00];
+    if !bytes.starts_with(MAGIC) {
+        let looks = match std::str::from_utf8(&bytes[..bytes.len().min(512)]) {
+            Ok(_) if bytes.is_empty() => "it is empty",
+            Ok(_) => "it looks like text",
+            Err(_) => "its first bytes are not \\0asm",
+        };
+        return Some(format!(
+            "it is not WebAssembly at all ({looks}); a handler is the binary component `weir build` makes (NAME.wasm)"
+        ));
+    }
+    match bytes.get(4..8) {
+        Some(v) if v == COMPONENT => None,
+        Some([1, 0, 0, 0]) => Some(
+            "it is a core WebAssembly module, not a component: build it for wasm32-wasip2 (`weir build`), or \
+             make a component of it with `wasm-tools component new`"
+                .to_owned(),
+        ),
+        _ => Some("its WebAssembly header is cut short or of an unknown version".to_owned()),
     }
 }
