@@ -184,8 +184,15 @@ impl CanaryArgs {
     }
 }
 
-/// Upload `file` as the handler's new version (or its canary); prints what happened.
-pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String], canary: &CanaryArgs) -> anyhow::Result<()> {
+/// Upload `file` as the handler's new version (or its canary); prints what
+/// happened. False when the node already ran it (nothing was swapped).
+pub fn deploy(
+    t: &Target<'_>,
+    file: &Path,
+    env: &[String],
+    dirs: &[String],
+    canary: &CanaryArgs,
+) -> anyhow::Result<bool> {
     let bytes =
         std::fs::read(file).map_err(|e| fail(Class::Refused, format!("cannot read {}: {e}", file.display())))?;
     let mut query: Vec<String> = env.iter().map(|e| format!("env={}", encode(e))).collect();
@@ -216,6 +223,7 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String], cana
         print_canary(t, &d);
     } else if d["swapped"].as_bool() == Some(false) {
         println!("unchanged: `{}` already runs {}", t.handler, short(&d["digest"]));
+        return Ok(false);
     } else {
         let compiled = match d["compiled_ms"].as_u64() {
             Some(ms) => format!("compiled in {:.1} s, ", ms as f64 / 1e3),
@@ -230,7 +238,7 @@ pub fn deploy(t: &Target<'_>, file: &Path, env: &[String], dirs: &[String], cana
             d["kept_in"].as_str().unwrap_or("?")
         );
     }
-    Ok(())
+    Ok(true)
 }
 
 fn print_canary(t: &Target<'_>, d: &serde_json::Value) {

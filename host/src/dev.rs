@@ -366,7 +366,7 @@ async fn rebuild_loop(
         while changed.try_recv().is_ok() {}
         println!("weir dev: sources changed; rebuilding …");
         let (dir, admin, token, handler) = (dir.clone(), admin.clone(), token.clone(), handler.clone());
-        let done = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let done = tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
             let wasm = scaffold::build(&dir, offline)?;
             deploy::deploy(
                 &deploy::Target {
@@ -382,7 +382,8 @@ async fn rebuild_loop(
         })
         .await;
         match done {
-            Ok(Ok(())) => println!("weir dev: swapped; new messages run the new version"),
+            Ok(Ok(true)) => println!("weir dev: swapped; new messages run the new version"),
+            Ok(Ok(false)) => println!("weir dev: the build is the version already running; nothing to swap"),
             Ok(Err(e)) => println!("weir dev: not swapped, the previous version still runs: {e:#}"),
             Err(e) => println!("weir dev: the rebuild task failed: {e}"),
         }
@@ -508,7 +509,7 @@ impl SettleObserver for Printer {
                 println!("{id}  dead-lettered ({reason}): {error}");
             }
             Outcome::DeadLettered(reason) => println!("  outcome  dead-lettered ({reason}): {error}{took}"),
-            other => println!("  outcome  {other:?}{took}"),
+            other => println!("  outcome  {}{took}", other.as_str()),
         }
     }
 }

@@ -15,14 +15,15 @@ use weir::config::{LogFormat, LogLevel};
 /// Which command is logging, for its defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// `weir demo`, `weir dead-letters`: their output is the progress and
-    /// the summary, or the table; warnings only.
+    /// Every command but `run`, `call` and `dev` (`weir demo`, `publish`,
+    /// `status`, `dead-letters`, …): their output is the progress and the
+    /// summary, or the table; warnings only.
     Quiet,
     /// `weir call`: guest lines are printed with the call.
     Call,
     /// `weir dev`: guest lines are printed with the message; only what goes wrong is logged.
     Dev,
-    /// Everything else.
+    /// `weir run`: a node's log.
     Other,
 }
 

@@ -342,11 +342,13 @@ fn main() -> ExitCode {
     };
     let settings = logging::Settings {
         kind: match cli.command {
-            // Their output is the progress and summary, or the table: warnings only.
-            Command::Demo { .. } | Command::DeadLetters { .. } | Command::Groups { .. } => logging::Kind::Quiet,
+            // A node logs what it does.
+            Command::Run { .. } => logging::Kind::Other,
             Command::Call { .. } => logging::Kind::Call,
             Command::Dev { .. } => logging::Kind::Dev,
-            _ => logging::Kind::Other,
+            // The other commands' output is their progress and summary, or a
+            // table: warnings only (no broker client's connection lines).
+            _ => logging::Kind::Quiet,
         },
         format: cli.log_format.or(from_config.and_then(|c| c.0)).unwrap_or_default(),
         level: cli.log_level.or(from_config.and_then(|c| c.1)),
@@ -728,11 +730,11 @@ fn schedule_check(path: &std::path::Path) -> anyhow::Result<ExitCode> {
         let rows = schedule.table(u32::try_from(policy.ladder.len()).unwrap_or(8).saturating_add(3).max(6));
         for r in &rows {
             println!(
-                "  {:>8}  {:>12}  {:>12}  {:?}",
+                "  {:>8}  {:>12}  {:>12}  {}",
                 r.delivery,
                 humantime::format_duration(r.delay_before).to_string(),
                 humantime::format_duration(r.since_first).to_string(),
-                r.role
+                r.role.as_str()
             );
         }
         match schedule.time_to_dead_letter() {

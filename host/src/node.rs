@@ -478,6 +478,23 @@ async fn declare_each(config: &Config, transport: &dyn Transport) -> anyhow::Res
     let mut topologies = HashMap::new();
     for (ti, t) in config.topology.iter().enumerate() {
         check_schedule_with_broker(config, ti, transport).await?;
+        let policy = t.retry_policy(config.transport.kind);
+        let schedule = t.schedule(config.transport.kind, None);
+        if let (Some(max), Some(tries)) = (policy.max_deliveries(), schedule.handler_deliveries())
+            && tries < max
+        {
+            // The same max_deliver gives the handler fewer tries here than on
+            // RabbitMQ: say so once, at start, instead of leaving it to surprise.
+            tracing::info!(
+                topology = %t.name,
+                max_deliver = max,
+                handler_attempts = tries,
+                "retry.max_deliver = {max} gives the handler {tries} attempt(s) on {}: the last {} deliver(ies) \
+                 are kept in reserve to retry a dead-letter capture that failed (weir schedule check shows each)",
+                transport.system(),
+                max - tries
+            );
+        }
         transport
             .declare(&TopologySpec {
                 name: t.name.clone(),
@@ -640,7 +657,7 @@ impl Node {
             None => None,
         };
         let followers = follow_registry(config, &registry, &stop_rx);
-        tracing::info!(node = %config.node.name, slots = started, mode = ?config.cluster.mode, transport = transport.system(), "node started");
+        tracing::info!(node = %config.node.name, slots = started, mode = config.cluster.mode.as_str(), transport = transport.system(), "node started");
         Ok(Self {
             pipeline,
             stop,
@@ -699,6 +716,9 @@ impl Node {
     /// flight, and stop consuming. Returns what each runner did.
     pub async fn shutdown(mut self) -> anyhow::Result<Vec<RunnerReport>> {
         self.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+        // The coordinator's leave drains the slots before this does: keep
+        // every slot's report, whoever drains it, for the summary.
+        self.slots.leave();
         let _ = self.stop.send(true);
         // A coordinator loop drains its slots before it gives them up (it
         // interrupts what still runs at `cluster.drain_deadline`, and gives
@@ -714,11 +734,10 @@ impl Node {
                 Err(e) => tracing::error!(error = %e, "the coordinator panicked"),
             }
         }
-        let reports = if gave_up {
-            Vec::new()
-        } else {
-            self.slots.drain_all().await
-        };
+        if !gave_up {
+            self.slots.drain_all().await;
+        }
+        let reports = self.slots.left();
         for f in self.followers.drain(..) {
             let _ = f.await;
         }

@@ -70,6 +70,9 @@ pub struct SlotSet {
     /// How the slots of each topology run.
     topologies: HashMap<String, TopologySettings>,
     running: Map,
+    /// Once the node is leaving: the report of every slot drained since
+    /// (by the coordinator's leave or by the last drain), for its summary.
+    leaving: Mutex<Option<Vec<RunnerReport>>>,
     generations: std::sync::atomic::AtomicU64,
     supervisor: Supervisor,
     /// The node's runtime: runners run there even when the coordinator
@@ -132,6 +135,7 @@ impl SlotSet {
             pipeline,
             topologies,
             running: Arc::default(),
+            leaving: Mutex::new(None),
             generations: std::sync::atomic::AtomicU64::new(0),
             supervisor,
             runtime: tokio::runtime::Handle::current(),
@@ -259,7 +263,22 @@ impl SlotSet {
         let Ended { mut done, report } = ended;
         // Err: the watcher task is gone (the runtime shuts down); nothing to wait for.
         let _ = done.wait_for(|d| *d).await;
-        report.lock().take()
+        let taken = report.lock().take();
+        if let (Some(r), Some(kept)) = (&taken, self.leaving.lock().as_mut()) {
+            kept.push(r.clone());
+        }
+        taken
+    }
+
+    /// The node is leaving: from now on keep the report of every slot
+    /// drained, whoever drains it, for [`SlotSet::left`].
+    pub fn leave(&self) {
+        self.leaving.lock().get_or_insert_with(Vec::new);
+    }
+
+    /// The reports of the slots drained since [`SlotSet::leave`].
+    pub fn left(&self) -> Vec<RunnerReport> {
+        self.leaving.lock().take().unwrap_or_default()
     }
 
     /// Ownership of `key` is lost: interrupt its calls and stop it; returns

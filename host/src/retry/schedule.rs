@@ -145,6 +145,17 @@ pub enum Role {
     CaptureRetry,
 }
 
+impl Role {
+    /// As a person reads it in `weir schedule check`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Handler => "handler",
+            Role::LastHandler => "last handler try (a failure is dead-lettered)",
+            Role::CaptureRetry => "reserve (retries a failed dead-letter capture)",
+        }
+    }
+}
+
 /// One line of the schedule table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Row {

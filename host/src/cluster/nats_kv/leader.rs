@@ -184,7 +184,7 @@ async fn apply(b: &Bucket, step: Step, may_write: impl Fn() -> bool) {
             if still_registered(b, gone).await {
                 return;
             }
-            tracing::warn!(topology = %key.0, slot = key.1, gone = %gone, owner = ?to, "leader: the slot's owner is no longer registered; slot reassigned");
+            tracing::warn!(topology = %key.0, slot = key.1, gone = %gone, owner = %to.map_or_else(|| "none".to_owned(), |u| u.to_string()), "leader: the slot's owner is no longer registered; slot reassigned");
             match to {
                 Some(n) => assigned(n, row.epoch + 1),
                 None => SlotValue::free(row.epoch),
@@ -195,7 +195,7 @@ async fn apply(b: &Bucket, step: Step, may_write: impl Fn() -> bool) {
             assigned(n, row.epoch + 1)
         }
         Change::Release(n) => {
-            tracing::info!(topology = %key.0, slot = key.1, from = ?row.owner, to = %n, "leader: asked the owner to release the slot");
+            tracing::info!(topology = %key.0, slot = key.1, from = %row.owner.map_or_else(|| "none".to_owned(), |u| u.to_string()), to = %n, "leader: asked the owner to release the slot");
             SlotValue {
                 state: "releasing".into(),
                 target: Some(n),

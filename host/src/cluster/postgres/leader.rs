@@ -160,7 +160,7 @@ impl Tables {
                 .execute(&mut *tx)
                 .await?;
                 changed = true;
-                tracing::warn!(topology = %row.topology, slot = row.slot, gone = %gone, owner = ?want, "leader: the slot's owner is no longer registered; slot reassigned");
+                tracing::warn!(topology = %row.topology, slot = row.slot, gone = %gone, owner = %want.map_or_else(|| "none".to_owned(), |u| u.to_string()), "leader: the slot's owner is no longer registered; slot reassigned");
                 continue;
             }
             match (row.owner, want) {
@@ -187,7 +187,7 @@ impl Tables {
                     .execute(&mut *tx)
                     .await?;
                     changed = true;
-                    tracing::info!(topology = %row.topology, slot = row.slot, from = ?row.owner, to = %node, "leader: asked the owner to release the slot");
+                    tracing::info!(topology = %row.topology, slot = row.slot, from = %row.owner.map_or_else(|| "none".to_owned(), |u| u.to_string()), to = %node, "leader: asked the owner to release the slot");
                 }
                 _ => {}
             }
