@@ -17,6 +17,7 @@ mod dead_letters;
 mod deploy;
 mod dev;
 mod groups;
+mod inspect;
 mod logging;
 mod publish;
 mod scaffold;
@@ -181,10 +182,14 @@ enum Command {
     /// `weir.toml` for `weir dev`, a README.
     New {
         /// The language: rust, python, or js (alias: javascript).
-        #[arg(value_enum)]
-        lang: scaffold::Lang,
+        #[arg(value_enum, required_unless_present = "list")]
+        lang: Option<scaffold::Lang>,
         /// The project, crate, component and handler name.
-        name: String,
+        #[arg(required_unless_present = "list")]
+        name: Option<String>,
+        /// List the templates this binary holds, and what each needs.
+        #[arg(long)]
+        list: bool,
         /// Make it in this directory instead of the current one.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
@@ -239,6 +244,40 @@ enum Command {
     Schedule {
         #[command(subcommand)]
         command: ScheduleCommand,
+    },
+    /// Config tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// What a component is, read without compiling it: the weir:handler
+    /// world and version it implements, its imports and exports, its size
+    /// and sha256 digest (the version id a node reports). Exit 1 when it is
+    /// not a Weir handler.
+    Inspect {
+        /// The component.
+        file: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish,
+    /// powershell), e.g. `weir completions bash > /etc/bash_completion.d/weir`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Validate a node's config as `weir run` would, without running a node
+    /// or contacting the broker: every error names its key; each handler's
+    /// component must be readable and a component. Exit 1 on an error.
+    Check {
+        /// The node's TOML config.
+        file: PathBuf,
     },
 }
 
@@ -452,6 +491,15 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
         Command::Schedule {
             command: ScheduleCommand::Check { config },
         } => schedule_check(&config),
+        Command::Config {
+            command: ConfigCommand::Check { file },
+        } => inspect::config_check(&file),
+        Command::Inspect { file, json } => inspect::inspect(&file, json),
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "weir", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Deploy {
             target,
             grant_env,
@@ -491,8 +539,22 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             };
             call::run(req, guest_log)
         }
-        Command::New { lang, name, dir } => {
-            scaffold::new(lang, &name, &dir)?;
+        Command::New { lang, name, dir, list } => {
+            match (lang, name) {
+                (Some(lang), Some(name)) if !list => {
+                    scaffold::new(lang, &name, &dir)?;
+                }
+                _ => {
+                    use clap::ValueEnum as _;
+                    println!("templates (weir new LANG NAME):");
+                    for lang in scaffold::Lang::value_variants() {
+                        let help = lang
+                            .to_possible_value()
+                            .and_then(|v| v.get_help().map(ToString::to_string));
+                        println!("  {:<8} {}", lang.as_str(), help.unwrap_or_default());
+                    }
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Build { dir, offline } => {

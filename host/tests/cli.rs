@@ -209,3 +209,82 @@ fn publish_against_a_memory_config_says_where_to_publish_instead() {
         assert!(err.contains(needle), "{needle:?} not in: {err}");
     }
 }
+
+// ---------------------------------------------------------------- issue 36 item 5: operator commands
+
+/// `weir config check FILE`: a good config is valid (exit 0, what it holds);
+/// an unknown key, a component that is text and a ladder the schedule
+/// refuses each exit 1 naming what is wrong. Nothing is contacted.
+#[test]
+fn config_check_validates_without_running() {
+    let good = write_config(&GOOD.replace(
+        "[[topology]]",
+        "[transport]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1:1/%2f\"\n[[topology]]",
+    ));
+    let (code, out, err) = weir(&["config", "check", good.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("valid: transport rabbitmq") && out.contains("orders (order.placed on orders)"),
+        "{out}"
+    );
+    let unknown = write_config(&GOOD.replace("slots = 2", "slots = 2\nslot_count = 3"));
+    let (code, _, err) = weir(&["config", "check", unknown.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("topology[0]") && err.contains("slot_count"), "{err}");
+    let junk = write_config("this is not wasm");
+    let text = write_config(&GOOD.replace("bundled:orders", junk.path().to_str().unwrap()));
+    let (code, out, _) = weir(&["config", "check", text.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        out.contains("handler[0].component") && out.contains("not WebAssembly at all"),
+        "{out}"
+    );
+    let ladder = write_config(&GOOD.replace("max_deliver = 4", "max_deliver = 1"));
+    let (code, out, err) = weir(&["config", "check", ladder.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("topology[0].retry.ladder"), "{err}");
+}
+
+/// `weir inspect`: the world and version a component implements, its
+/// imports and exports, size and digest; exit 1 for what is no handler.
+#[test]
+fn inspect_names_world_version_imports_and_exports() {
+    let faulty = std::path::Path::new(weir::runtime::bundled::FAULTY_PATH);
+    let (code, out, err) = weir(&["inspect", faulty.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let bytes = std::fs::read(faulty).unwrap();
+    assert!(out.contains("world    weir:handler/handler@0.2.0"), "{out}");
+    assert!(out.contains(&format!("size     {} bytes", bytes.len())), "{out}");
+    assert!(
+        out.contains("weir:handler/host@0.2.0") && out.contains("handle, handle-batch"),
+        "{out}"
+    );
+    let legacy = faulty.with_file_name("weir_test_legacy.wasm");
+    let (code, out, _) = weir(&["inspect", legacy.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["version"], "0.1.0");
+    assert_eq!(v["sha256"].as_str().unwrap().len(), 64);
+    let junk = write_config("this is not wasm");
+    let (code, _, err) = weir(&["inspect", junk.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not WebAssembly at all (it looks like text)"), "{err}");
+}
+
+/// `weir completions SHELL` and `weir new --list`.
+#[test]
+fn completions_and_the_template_list() {
+    let (code, out, _) = weir(&["completions", "bash"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("complete") && out.contains("weir") && out.contains("inspect"),
+        "{out}"
+    );
+    let (code, out, _) = weir(&["new", "--list"]);
+    assert_eq!(code, 0);
+    for lang in ["rust", "python", "js"] {
+        assert!(out.contains(&format!("  {lang} ")), "{out}");
+    }
+    let (code, _, err) = weir(&["new", "rust"]);
+    assert_eq!(code, 2, "a name is needed without --list: {err}");
+}

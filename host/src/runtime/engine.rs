@@ -290,7 +290,7 @@ impl Runtime {
 /// Why `bytes` are not a binary component, before any parser sees them (the
 /// engine would also take WAT text, and a text file or random bytes would
 /// get a text parser's error): `None` when they start like one.
-fn not_binary_component(bytes: &[u8]) -> Option<String> {
+pub fn not_binary_component(bytes: &[u8]) -> Option<String> {
     const MAGIC: &[u8] = b"\0asm";
     const COMPONENT: [u8; 4] = [0x0d, 0x00, 0x01, 0x00];
     if !bytes.starts_with(MAGIC) {
