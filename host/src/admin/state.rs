@@ -34,4 +34,18 @@ pub struct AdminState {
     pub mode: &'static str,
     /// The slot count of each topology of the config, by name (publishing).
     pub topologies: std::collections::HashMap<String, u32>,
+    /// Negative controls for tests (all off in production).
+    pub controls: NegativeControls,
+}
+
+/// Negative controls for tests: each switches one admin fix off, so a test
+/// can show the attack it stops. All off by default; never in production.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NegativeControls {
+    /// `GET /v1/dead-letters` (and redrive, purge) count every tenant's
+    /// letters in `read` for a tenant token, as before issue 32.
+    pub unscoped_read_count: bool,
+    /// `POST /v1/topologies/{T}/messages` takes any header name (CR/LF,
+    /// spaces, `:`), as before issue 32.
+    pub unchecked_header_names: bool,
 }
