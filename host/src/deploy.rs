@@ -155,17 +155,24 @@ pub struct CanaryArgs {
     /// `weir rollback`.
     #[arg(long = "canary-slots")]
     pub canary_slots: Option<String>,
-    /// Roll the canary back by itself when more than this share (0 to 1) of
-    /// its settled messages is dead-lettered.
+    /// Roll the canary back by itself when its dead-letter rate is above the
+    /// stable version's by more than this (0 to 1), with `--min-messages`
+    /// settled on each side and the difference significant (3 standard errors).
     #[arg(long = "max-dead-letter-rate", requires = "canary_slots")]
     pub max_dead_letter_rate: Option<f64>,
-    /// Roll the canary back by itself when more than this share (0 to 1) of
-    /// its settled messages goes to the retry ladder.
+    /// Roll the canary back by itself when its retry rate is above the
+    /// stable version's by more than this (0 to 1), as for dead letters.
     #[arg(long = "max-retry-rate", requires = "canary_slots")]
     pub max_retry_rate: Option<f64>,
-    /// Settled canary messages before a rate is judged (default 20).
+    /// Settled messages on each side before a rate is judged (default 20).
     #[arg(long = "min-messages", requires = "canary_slots")]
     pub min_messages: Option<u64>,
+    /// `relative` (the default: the canary against the stable version) or
+    /// `absolute` (the canary's own rate alone, over --min-messages of its
+    /// messages; any publisher can trip it with messages every version
+    /// fails, so only for a stable version with too little traffic to compare).
+    #[arg(long = "threshold-mode", requires = "canary_slots", value_parser = ["relative", "absolute"])]
+    pub threshold_mode: Option<String>,
 }
 
 impl CanaryArgs {
@@ -180,6 +187,11 @@ impl CanaryArgs {
         ];
         q.extend(rates.iter().filter_map(|(k, v)| Some(format!("{k}={}", (*v)?))));
         q.extend(self.min_messages.map(|n| format!("min_messages={n}")));
+        q.extend(
+            self.threshold_mode
+                .as_ref()
+                .map(|m| format!("threshold_mode={}", encode(m))),
+        );
         q
     }
 }
@@ -247,17 +259,30 @@ fn print_canary(t: &Target<'_>, d: &serde_json::Value) {
         .map(|a| a.iter().map(|s| s.to_string()).collect())
         .unwrap_or_default();
     let th = &d["thresholds"];
+    let absolute = th["mode"] == "absolute";
     let mut rules = Vec::new();
     for (k, what) in [("max_dead_letter_rate", "dead-letter"), ("max_retry_rate", "retry")] {
         if let Some(r) = th[k].as_f64() {
-            rules.push(format!("{what} rate above {r}"));
+            rules.push(if absolute {
+                format!("{what} rate above {r}")
+            } else {
+                format!("{what} rate more than {r} above the stable version's")
+            });
         }
     }
     let rollback = if rules.is_empty() {
         "no threshold: it runs until you promote it or roll it back".to_owned()
+    } else if absolute {
+        format!(
+            "it rolls back by itself on a {} (threshold mode absolute: the stable version is not compared; judged \
+             after {} settled canary messages)",
+            rules.join(" or a "),
+            th["min_messages"]
+        )
     } else {
         format!(
-            "it rolls back by itself on a {} (judged after {} settled messages)",
+            "it rolls back by itself on a {} (judged after {} settled messages on each side, when the difference \
+             is at least 3 standard errors)",
             rules.join(" or a "),
             th["min_messages"]
         )

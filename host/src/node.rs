@@ -65,6 +65,9 @@ pub struct NodeOptions {
     /// type panics, once. Never in production.
     #[doc(hidden)]
     pub inject_panic_on: Option<String>,
+    /// Negative controls for tests: admin fixes switched off. Never in production.
+    #[doc(hidden)]
+    pub admin_controls: crate::admin::NegativeControls,
 }
 
 /// A handle on a node that is leaving ([`Node::draining`]): the calls it
@@ -651,6 +654,7 @@ impl Node {
                     topologies: topologies.clone(),
                     mode: config.cluster.mode.as_str(),
                     seal: pipeline.seal.clone(),
+                    controls: opts.admin_controls,
                 });
                 Some(admin::serve(addr, state, stop_rx.clone()).await?)
             }

@@ -151,10 +151,15 @@ fn render_canaries(list: &[Canary]) -> String {
             );
         }
         let th = &v["thresholds"];
+        let absolute = th["mode"] == "absolute";
         let mut rules = Vec::new();
         for (k, what) in [("max_dead_letter_rate", "dead-letter"), ("max_retry_rate", "retry")] {
             if let Some(r) = th[k].as_f64() {
-                rules.push(format!("{what} rate > {r}"));
+                rules.push(if absolute {
+                    format!("{what} rate > {r} (absolute)")
+                } else {
+                    format!("{what} rate > stable's + {r}")
+                });
             }
         }
         let _ = writeln!(

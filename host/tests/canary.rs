@@ -228,7 +228,11 @@ async fn a_canary_that_fails_everything_is_rolled_back_by_its_threshold_and_noth
     assert!(o.handler["canary"].is_null(), "{}", o.handler);
     assert_eq!(last["outcome"], "rolled-back", "{}", o.handler);
     let reason = last["reason"].as_str().unwrap();
-    assert!(reason.starts_with("threshold: retry rate 1.000"), "{reason}");
+    assert!(
+        reason.starts_with("threshold: the canary's retry rate 1.000"),
+        "{reason}"
+    );
+    assert!(reason.contains("above the stable version's 0.000"), "{reason}");
     assert_eq!(last["compare"]["canary"]["handled"], 0);
     assert!(last["compare"]["canary"]["retried"].as_u64().unwrap() >= 10);
     assert_eq!(last["compare"]["stable"]["retried"], 0);
@@ -551,7 +555,10 @@ message_types = ["canary"]
         out.contains("canary: `orders` runs") && out.contains("on slots 0,1 of 4"),
         "{out}"
     );
-    assert!(out.contains("rolls back by itself on a retry rate above 0.2"), "{out}");
+    assert!(
+        out.contains("rolls back by itself on a retry rate more than 0.2 above the stable version's"),
+        "{out}"
+    );
 
     let (code, out, err) = run(vec!["status", "--admin", admin, "--token", TOKEN]).await.unwrap();
     assert_eq!(code, 0, "{err}");
@@ -562,7 +569,7 @@ message_types = ["canary"]
             .any(|l| l.starts_with("orders") && l.contains("canary") && l.contains(&short)),
         "{out}"
     );
-    assert!(out.contains("retry rate > 0.2"), "{out}");
+    assert!(out.contains("retry rate > stable's + 0.2"), "{out}");
     // And in the metrics, for Prometheus.
     let (code, text) = http("GET", port, "/metrics".into(), vec![]).await;
     assert_eq!(code, 200);

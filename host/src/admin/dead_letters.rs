@@ -14,6 +14,8 @@
 //! An operator token sees every letter; a tenant token only those whose
 //! `weir-tenant-id` is its tenant (a `tenant` parameter naming another
 //! tenant is refused, 403) and may pin only versions of handlers it sees.
+//! The counts a tenant is answered (`read`, `matched`, `selected`) are of
+//! its own letters alone.
 //! Listing is a read (open when the node has no tokens, like the handler
 //! list); redrive and purge need a token (refused on a node without any).
 
@@ -139,12 +141,17 @@ fn scope(s: &AdminState, caller: &Caller, q: &mut Query) -> Result<(String, u32)
     })
 }
 
-/// Read the topology's dead letters that `q` selects.
-async fn select(s: &AdminState, topology: &str, q: &Query) -> Result<deadletter::Selection, Refusal> {
+/// Read the topology's dead letters that `q` selects; `read` counts only
+/// the caller's letters when the caller is a tenant.
+async fn select(s: &AdminState, caller: &Caller, topology: &str, q: &Query) -> Result<deadletter::Selection, Refusal> {
     let Some(store) = s.transport.dead_letters() else {
         return Err((StatusCode::NOT_IMPLEMENTED, "no dead-letter tools".to_owned()));
     };
-    deadletter::select(store, topology, &q.filter, &deadletter::no_progress)
+    let scope = match caller {
+        Caller::Tenant(t) if !s.controls.unscoped_read_count => Some(t.as_str()),
+        _ => None,
+    };
+    deadletter::select_scoped(store, topology, &q.filter, scope, &deadletter::no_progress)
         .await
         .map_err(|e| {
             let status = match e.kind {
@@ -171,7 +178,7 @@ pub(super) async fn list(State(s): State<Arc<AdminState>>, RawQuery(query): RawQ
         Ok(t) => t,
         Err(r) => return refused(r),
     };
-    let selection = match select(&s, &topology, &q).await {
+    let selection = match select(&s, &caller, &topology, &q).await {
         Ok(sel) => sel,
         Err(r) => return refused(r),
     };
@@ -250,7 +257,7 @@ pub(super) async fn redrive(
             &format!("handler_version={pin:?} is not a component digest; accepted: 64 hex digits (sha256)"),
         );
     }
-    let selection = match select(&s, &topology, &q).await {
+    let selection = match select(&s, &caller, &topology, &q).await {
         Ok(sel) => sel,
         Err(r) => return refused(r),
     };
@@ -301,7 +308,7 @@ pub(super) async fn purge(State(s): State<Arc<AdminState>>, RawQuery(query): Raw
         Ok(t) => t,
         Err(r) => return refused(r),
     };
-    let selection = match select(&s, &topology, &q).await {
+    let selection = match select(&s, &caller, &topology, &q).await {
         Ok(sel) => sel,
         Err(r) => return refused(r),
     };

@@ -67,6 +67,16 @@ pub struct PublishRequest {
 impl PublishRequest {
     /// The messages this request asks for, or what is wrong with it (naming the field).
     pub fn envelopes(&self, fresh_id: &mut dyn FnMut() -> String) -> Result<Vec<Envelope>, String> {
+        self.envelopes_checked(fresh_id, true)
+    }
+
+    /// [`PublishRequest::envelopes`]; `check_names` false skips the header-name
+    /// check (a test's negative control, [`super::NegativeControls`]).
+    pub fn envelopes_checked(
+        &self,
+        fresh_id: &mut dyn FnMut() -> String,
+        check_names: bool,
+    ) -> Result<Vec<Envelope>, String> {
         if self.message_type.trim().is_empty() {
             return Err("`type` must not be empty".into());
         }
@@ -87,6 +97,13 @@ impl PublishRequest {
                     "headers: {name:?} is reserved (weir-* headers are Weir's own; use `type`, `group`, `tenant`, `id`)"
                 ));
             }
+            if check_names && let Some(bad) = name.chars().find(|c| !is_name_char(*c)) {
+                return Err(format!(
+                    "headers: header name {name:?} has the character {bad:?}, which a header name cannot hold on \
+                     every broker; accepted: printable ASCII (letters, digits, punctuation) except `:`, no spaces, \
+                     CR or LF"
+                ));
+            }
             if name.len() > crate::transport::limits::AMQP_SHORT_STRING_MAX {
                 return Err(format!(
                     "headers: a header name is {} bytes; at most {} are accepted",
@@ -94,7 +111,7 @@ impl PublishRequest {
                     crate::transport::limits::AMQP_SHORT_STRING_MAX
                 ));
             }
-            check_text(&format!("headers.{name}"), value)?;
+            check_text(&format!("headers: the value of header {name:?}"), value)?;
             size += name.len() + value.len();
         }
         if size > MAX_HEADER_BYTES {
@@ -136,6 +153,13 @@ impl PublishRequest {
             })
             .collect())
     }
+}
+
+/// What every broker carries in a header name: printable ASCII except `:`
+/// (NATS's rule; AMQP would take more, but a name must mean the same on
+/// any broker, and CR/LF in a name splits headers wherever they are written as text).
+fn is_name_char(c: char) -> bool {
+    c.is_ascii_graphic() && c != ':'
 }
 
 /// A header-borne text: no control characters a broker would refuse or split on.
@@ -253,7 +277,8 @@ pub(super) async fn publish(
             }
         }
     }
-    let envelopes = match req.envelopes(&mut envelope::fresh_id) {
+    let check_names = !s.controls.unchecked_header_names;
+    let envelopes = match req.envelopes_checked(&mut envelope::fresh_id, check_names) {
         Ok(e) => e,
         Err(e) => return (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
     };
@@ -327,6 +352,17 @@ mod tests {
             (r#"{"type":"t","count":2,"id":"x"}"#, "only with `count` 1"),
             (r#"{"type":"t","payload":"a","payload_base64":"YQ=="}"#, "not both"),
             (r#"{"type":"t","payload_base64":"!!"}"#, "payload_base64: byte 0"),
+            (
+                r#"{"type":"t","headers":{"x-a\r\nx-b":"v"}}"#,
+                r#"header name "x-a\r\nx-b" has the character '\r'"#,
+            ),
+            (r#"{"type":"t","headers":{"x a":"v"}}"#, "has the character ' '"),
+            (r#"{"type":"t","headers":{"x:a":"v"}}"#, "has the character ':'"),
+            (r#"{"type":"t","headers":{"x-é":"v"}}"#, "has the character 'é'"),
+            (
+                r#"{"type":"t","headers":{"x-a":"1\r\n2"}}"#,
+                r#"the value of header "x-a": must not contain CR"#,
+            ),
         ];
         for (json, want) in cases {
             match req(json).envelopes(&mut ids()) {

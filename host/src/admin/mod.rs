@@ -51,4 +51,4 @@ pub mod write_timeout;
 pub use auth::Auth;
 pub use limits::Limits;
 pub use listener::serve;
-pub use state::AdminState;
+pub use state::{AdminState, NegativeControls};

@@ -11,7 +11,7 @@ use super::error::{deploy_error, error_body};
 use super::state::AdminState;
 use super::upload::{closing, refuse, spool};
 use crate::cluster::status::{SlotStatus, Status};
-use crate::registry::canary::Thresholds;
+use crate::registry::canary::{ThresholdMode, Thresholds};
 use crate::registry::{DeployError, DirGrant, Grants, Upload};
 
 pub(super) async fn ready(State(s): State<Arc<AdminState>>) -> Response {
@@ -221,7 +221,8 @@ struct DeployAsk {
 
 /// `?env=NAME&dir=GUEST:HOST` (repeatable; grants are `None` when neither is
 /// given), and for a canary `canary_slots=0,1|10%` with optional
-/// `max_dead_letter_rate`, `max_retry_rate` and `min_messages`.
+/// `max_dead_letter_rate`, `max_retry_rate`, `min_messages` and
+/// `threshold_mode` (`relative`, the default, or `absolute`).
 fn parse_deploy(query: Option<&str>) -> Result<DeployAsk, String> {
     let Some(q) = query.filter(|q| !q.is_empty()) else {
         return Ok(DeployAsk::default());
@@ -238,6 +239,7 @@ fn parse_deploy(query: Option<&str>) -> Result<DeployAsk, String> {
             "canary_slots" => ask.canary_slots = Some(v.into_owned()),
             "max_dead_letter_rate" => ask.thresholds.max_dead_letter_rate = Some(rate(&k, &v)?),
             "max_retry_rate" => ask.thresholds.max_retry_rate = Some(rate(&k, &v)?),
+            "threshold_mode" => ask.thresholds.mode = ThresholdMode::parse(&v)?,
             "min_messages" => {
                 ask.thresholds.min_messages = v
                     .parse()
@@ -261,13 +263,16 @@ fn parse_deploy(query: Option<&str>) -> Result<DeployAsk, String> {
             other => {
                 return Err(format!(
                     "unknown query parameter {other:?}; accepted: env, dir, grants=none, canary_slots, \
-                     max_dead_letter_rate, max_retry_rate, min_messages"
+                     max_dead_letter_rate, max_retry_rate, min_messages, threshold_mode"
                 ));
             }
         }
     }
     if ask.canary_slots.is_none() && ask.thresholds != Thresholds::default() {
-        return Err("max_dead_letter_rate, max_retry_rate and min_messages apply to a canary: add canary_slots".into());
+        return Err(
+            "max_dead_letter_rate, max_retry_rate, min_messages and threshold_mode apply to a canary: add canary_slots"
+                .into(),
+        );
     }
     ask.grants = any.then_some(g);
     Ok(ask)

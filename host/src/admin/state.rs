@@ -36,4 +36,18 @@ pub struct AdminState {
     pub topologies: std::collections::HashMap<String, u32>,
     /// Seals what a redrive sends (its count, provenance and pin).
     pub seal: crate::seal::Seal,
+    /// Negative controls for tests (all off in production).
+    pub controls: NegativeControls,
+}
+
+/// Negative controls for tests: each switches one admin fix off, so a test
+/// can show the attack it stops. All off by default; never in production.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NegativeControls {
+    /// `GET /v1/dead-letters` (and redrive, purge) count every tenant's
+    /// letters in `read` for a tenant token, as before issue 32.
+    pub unscoped_read_count: bool,
+    /// `POST /v1/topologies/{T}/messages` takes any header name (CR/LF,
+    /// spaces, `:`), as before issue 32.
+    pub unchecked_header_names: bool,
 }

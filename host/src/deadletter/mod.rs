@@ -80,7 +80,8 @@ pub fn no_progress(_: Progress) {}
 pub struct Selection {
     session: Box<dyn DeadLetterSession>,
     topology: String,
-    /// Letters read (those the destination held when the session opened).
+    /// Letters read (those the destination held when the session opened);
+    /// in a tenant's view ([`select_scoped`]) only that tenant's.
     pub read: u64,
     /// The selected letters, in the destination's order.
     pub selected: Vec<DeadLetter>,
@@ -93,9 +94,22 @@ pub async fn select(
     filter: &Filter,
     progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<Selection, TransportError> {
+    select_scoped(store, topology, filter, None, progress).await
+}
+
+/// [`select`] for one tenant's view (`scope`: its name): `read` counts only
+/// the letters whose `weir-tenant-id` is that tenant, so an answer tells a
+/// tenant nothing about other tenants' letters. `None`: every letter counts.
+pub async fn select_scoped(
+    store: &dyn DeadLetterStore,
+    topology: &str,
+    filter: &Filter,
+    scope: Option<&str>,
+    progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<Selection, TransportError> {
     let mut session = store.open(topology).await?;
     let of = session.expected();
-    let mut read = 0;
+    let (mut read, mut in_scope) = (0, 0);
     let mut selected = Vec::new();
     loop {
         let letter = match session.next().await {
@@ -111,6 +125,9 @@ pub async fn select(
         if read % 64 == 0 {
             progress(Progress::Read { done: read, of });
         }
+        if scope.is_none_or(|t| filter::value(&letter.wire, header::TENANT_ID) == Some(t)) {
+            in_scope += 1;
+        }
         if filter.matches(&letter) {
             selected.push(letter);
         }
@@ -119,7 +136,7 @@ pub async fn select(
     Ok(Selection {
         session,
         topology: topology.to_owned(),
-        read,
+        read: in_scope,
         selected,
     })
 }
@@ -129,7 +146,7 @@ pub async fn select(
 pub struct PurgeReport {
     /// The topology.
     pub topology: String,
-    /// Letters read from the destination.
+    /// Letters read from the destination (in a tenant's view, its own only).
     pub read: u64,
     /// Letters selected.
     pub selected: usize,

@@ -108,7 +108,7 @@ pub struct Move {
 pub struct RedriveReport {
     /// The topology.
     pub topology: String,
-    /// Letters read from the destination.
+    /// Letters read from the destination (in a tenant's view, its own only).
     pub read: u64,
     /// Letters selected, in the order they are sent.
     pub letters: Vec<Move>,

@@ -2,7 +2,7 @@
 //! Read by the demo's summary, tests, and (later) the metrics endpoint.
 //! Batches are counted too: sizes, why each ran, replays.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
@@ -151,6 +151,38 @@ impl HandlerMetrics {
         let total = per_bucket.iter().map(|(_, n)| n).sum();
         let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
         (sum, total, per_bucket)
+    }
+}
+
+/// The last few messages one version retried and dead-lettered while a
+/// canary of its handler ran: the ids a canary's rollback names. Written
+/// only on a failure while the version is tallying.
+#[derive(Debug, Default)]
+pub struct RecentFailures(parking_lot::Mutex<(VecDeque<String>, VecDeque<String>)>);
+
+impl RecentFailures {
+    /// Ids kept of each kind.
+    pub const KEEP: usize = 5;
+
+    /// Remember `id` if `outcome` is a retry or a dead letter.
+    pub fn note(&self, id: &str, outcome: Outcome) {
+        let mut g = self.0.lock();
+        let ring = match outcome {
+            Outcome::RetryScheduled => &mut g.0,
+            Outcome::DeadLettered(_) => &mut g.1,
+            _ => return,
+        };
+        if ring.len() == Self::KEEP {
+            ring.pop_front();
+        }
+        ring.push_back(id.to_owned());
+    }
+
+    /// The last ids retried (`retried`) or dead-lettered, oldest first.
+    pub fn last(&self, retried: bool) -> Vec<String> {
+        let g = self.0.lock();
+        let ring = if retried { &g.0 } else { &g.1 };
+        ring.iter().cloned().collect()
     }
 }
 

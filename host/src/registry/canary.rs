@@ -8,8 +8,15 @@
 //! version's calls did (outcomes, call durations; [`Tally`]); the admin API
 //! and `weir status` show the two side by side. `weir promote` makes the
 //! canary the current version everywhere, `weir rollback` ends it, and a
-//! threshold ([`Thresholds`]: a dead-letter or retry rate over at least
-//! `min_messages` of the canary's settled messages) ends it by itself.
+//! threshold ([`Thresholds`]) ends it by itself: the canary's dead-letter or
+//! retry rate above the stable version's by more than the threshold, with at
+//! least `min_messages` settled on each side and the difference at least
+//! [`MIN_Z`] standard errors ([`ThresholdMode::Relative`]). Messages every
+//! version fails (a publisher's poison) weigh on both sides alike, so they
+//! cannot roll a canary back unless they are aimed at its slots alone. The
+//! reason names the counts of both sides and the last canary messages that
+//! failed, as the node that rolled it back saw them (ids are kept per node,
+//! not in the cluster's store).
 //!
 //! Ending a canary is one write in the router, like a swap: calls already
 //! running finish, the next call on the canary's slots runs the stable
@@ -38,7 +45,8 @@ use super::{Priority, Registry, State, now_ms};
 use crate::runtime::HandlerVersion;
 
 pub use super::types::{
-    Canary, CanaryStarted, CanaryView, Compare, DEFAULT_MIN_MESSAGES, Ended, Rates, Side, Tally, Thresholds,
+    Breach, Canary, CanaryStarted, CanaryView, Compare, DEFAULT_MIN_MESSAGES, Ended, MIN_Z, Rates, Side, Tally,
+    ThresholdMode, Thresholds,
 };
 
 /// How often each node checks thresholds and writes its tally.
@@ -432,18 +440,18 @@ impl Registry {
 
     /// One look: see [`Registry::guard`].
     pub async fn guard_once(&self) {
-        let running: Vec<(String, Canary, Tally, Tally)> = {
+        let running: Vec<(String, Canary, Arc<HandlerVersion>, Tally, Tally)> = {
             let canaries = self.canaries.lock();
             canaries
                 .iter()
                 .map(|(name, r)| {
                     let stable = self.router.version(name);
                     let (c, s) = self.local_tallies(r, stable.as_deref());
-                    (name.clone(), r.canary.clone(), c, s)
+                    (name.clone(), r.canary.clone(), r.version.clone(), c, s)
                 })
                 .collect()
         };
-        for (name, canary, mut c, mut s) in running {
+        for (name, canary, version, mut c, mut s) in running {
             if let Store::Shared(shared) = &self.store {
                 match shared.tally_canary(canary.id, &self.node, &c, &s).await {
                     Ok((cluster_c, cluster_s)) => {
@@ -457,15 +465,16 @@ impl Registry {
                     }
                 }
             }
-            let Some(why) = canary.thresholds.breached(&c) else {
+            let Some(breach) = canary.thresholds.breached(&c, &s) else {
                 continue;
             };
+            let why = breach.reason(&self.node, &version.failed.last(breach.retried));
             let _changing = self.changing(&name).await;
             // Still the same canary (an operator may have ended it meanwhile).
             if self.canaries.lock().get(&name).is_none_or(|r| r.canary.id != canary.id) {
                 continue;
             }
-            if let Err(e) = self.end_canary_locked(&name, format!("threshold: {why}")).await {
+            if let Err(e) = self.end_canary_locked(&name, why).await {
                 // Another node may have ended it first: take the cluster's state.
                 let synced = match &self.store {
                     Store::Shared(shared) => self.sync_one(shared.as_ref(), &name).await.is_ok(),

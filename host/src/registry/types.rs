@@ -163,21 +163,63 @@ pub enum Caller {
 
 // Canaries by slot (see [`super::canary`]): what is stored and shown.
 
-/// Settled canary messages before a threshold is judged, when not given.
+/// Settled messages (on each side, in the default mode) before a threshold is judged, when not given.
 pub const DEFAULT_MIN_MESSAGES: u64 = 20;
+
+/// Standard errors by which the canary's rate must exceed the stable
+/// version's before a threshold counts as crossed (a one-sided pooled
+/// two-proportion z-test): a canary no worse than the stable version passes
+/// it by chance about once in 740 looks.
+pub const MIN_Z: f64 = 3.0;
+
+/// How a canary's rates are judged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ThresholdMode {
+    /// Against the stable version: the canary's rate must exceed the stable
+    /// version's by more than the threshold, with at least `min_messages`
+    /// settled on each side and the difference at least [`MIN_Z`] standard
+    /// errors. Messages every version fails (poison) weigh on both sides alike.
+    #[default]
+    Relative,
+    /// The canary's own rate alone, over at least `min_messages` of its
+    /// messages (the rule before issue 32). Any publisher can trip it by
+    /// sending messages every version fails to the canary's slots; for a
+    /// stable version with too little traffic to compare with.
+    Absolute,
+}
+
+impl ThresholdMode {
+    /// `relative` or `absolute`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text {
+            "relative" => Ok(ThresholdMode::Relative),
+            "absolute" => Ok(ThresholdMode::Absolute),
+            other => Err(format!(
+                "threshold mode {other:?}: accepted: relative (against the stable version, the default) or absolute"
+            )),
+        }
+    }
+}
 
 /// When a canary rolls back by itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Thresholds {
-    /// Dead-lettered / settled above this rolls back (0..=1).
+    /// The canary's dead-letter rate (dead-lettered / settled) above the
+    /// stable version's by more than this rolls back (0..=1).
     #[serde(default)]
     pub max_dead_letter_rate: Option<f64>,
-    /// Sent to the retry ladder / settled above this rolls back (0..=1).
+    /// The canary's retry rate (sent to the retry ladder / settled) above
+    /// the stable version's by more than this rolls back (0..=1).
     #[serde(default)]
     pub max_retry_rate: Option<f64>,
-    /// Settled canary messages (cluster-wide in `postgres` and `nats-kv` modes) before a rate is judged.
+    /// Settled messages on each side (cluster-wide in `postgres` and
+    /// `nats-kv` modes; the canary's alone in `absolute` mode) before a rate is judged.
     #[serde(default = "default_min_messages")]
     pub min_messages: u64,
+    /// How the rates are judged; records written before it existed are `relative`.
+    #[serde(default)]
+    pub mode: ThresholdMode,
 }
 
 fn default_min_messages() -> u64 {
@@ -190,27 +232,61 @@ impl Default for Thresholds {
             max_dead_letter_rate: None,
             max_retry_rate: None,
             min_messages: DEFAULT_MIN_MESSAGES,
+            mode: ThresholdMode::default(),
         }
     }
 }
 
+/// A crossed threshold: which rate, and why, with the counts that decided it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Breach {
+    /// The retry rate (`true`) or the dead-letter rate.
+    pub retried: bool,
+    /// The figures, for the rollback's reason.
+    pub why: String,
+}
+
+impl Breach {
+    /// The rollback's reason: the figures, and `ids`, the last canary
+    /// messages of the breaching kind that node `node` saw fail.
+    pub fn reason(&self, node: &str, ids: &[String]) -> String {
+        let kind = if self.retried { "retried" } else { "dead-lettered" };
+        let ids = if ids.is_empty() {
+            format!("this node ({node}) saw none of the canary's {kind} messages itself")
+        } else {
+            format!(
+                "the last {} messages the canary {kind} on this node ({node}): {}",
+                ids.len(),
+                ids.join(", ")
+            )
+        };
+        format!("threshold: {}; {ids}", self.why)
+    }
+}
+
 impl Thresholds {
-    /// Why `t` breaks a threshold, if it does.
-    pub fn breached(&self, t: &Tally) -> Option<String> {
-        let settled = t.settled();
-        if settled == 0 || settled < self.min_messages {
-            return None;
-        }
+    /// The threshold `canary` crosses against `stable`, if any (see [`ThresholdMode`]).
+    pub fn breached(&self, canary: &Tally, stable: &Tally) -> Option<Breach> {
         let checks = [
-            ("dead-letter", self.max_dead_letter_rate, t.dead_lettered),
-            ("retry", self.max_retry_rate, t.retried),
+            (
+                false,
+                "dead-letter",
+                self.max_dead_letter_rate,
+                canary.dead_lettered,
+                stable.dead_lettered,
+            ),
+            (true, "retry", self.max_retry_rate, canary.retried, stable.retried),
         ];
-        checks.into_iter().find_map(|(what, max, n)| {
+        let (nc, ns) = (canary.settled(), stable.settled());
+        let enough = |n: u64| n > 0 && n >= self.min_messages;
+        checks.into_iter().find_map(|(retried, what, max, xc, xs)| {
             let max = max?;
-            let rate = n as f64 / settled as f64;
-            (rate > max).then(|| {
-                format!("{what} rate {rate:.3} ({n} of {settled} settled messages) is above the threshold {max}")
-            })
+            let why = match self.mode {
+                ThresholdMode::Absolute => absolute(what, max, xc, nc, enough(nc))?,
+                ThresholdMode::Relative if enough(nc) && enough(ns) => relative(what, max, (xc, nc), (xs, ns))?,
+                ThresholdMode::Relative => return None,
+            };
+            Some(Breach { retried, why })
         })
     }
 
@@ -228,6 +304,38 @@ impl Thresholds {
         }
         Ok(())
     }
+}
+
+/// The old rule: the canary's rate `x / n` above `max`.
+fn absolute(what: &str, max: f64, x: u64, n: u64, enough: bool) -> Option<String> {
+    let rate = x as f64 / n as f64;
+    (enough && rate > max).then(|| {
+        format!(
+            "{what} rate {rate:.3} ({x} of {n} settled messages) is above the threshold {max} \
+             (threshold mode absolute: the stable version's rate is not compared)"
+        )
+    })
+}
+
+/// The canary's rate `xc / nc` above the stable version's `xs / ns` by more
+/// than `max`, and by at least [`MIN_Z`] standard errors of the difference.
+fn relative(what: &str, max: f64, (xc, nc): (u64, u64), (xs, ns): (u64, u64)) -> Option<String> {
+    let (pc, ps) = (xc as f64 / nc as f64, xs as f64 / ns as f64);
+    let diff = pc - ps;
+    if diff <= max {
+        return None;
+    }
+    // diff > 0, so the rates differ and the pooled rate is inside (0, 1).
+    let pooled = (xc + xs) as f64 / (nc + ns) as f64;
+    let se = (pooled * (1.0 - pooled) * (1.0 / nc as f64 + 1.0 / ns as f64)).sqrt();
+    let z = if se > 0.0 { diff / se } else { f64::INFINITY };
+    (z >= MIN_Z).then(|| {
+        format!(
+            "the canary's {what} rate {pc:.3} ({xc} of {nc} settled messages) is {diff:.3} above the stable \
+             version's {ps:.3} ({xs} of {ns}): more than the threshold {max}, by {z:.1} standard errors \
+             (at least {MIN_Z} are needed)"
+        )
+    })
 }
 
 /// A canary as stored and shown.
@@ -434,34 +542,57 @@ pub struct CanaryStarted {
 mod tests {
     use super::*;
 
+    fn tally(handled: u64, retried: u64, dead_lettered: u64) -> Tally {
+        Tally {
+            handled,
+            retried,
+            dead_lettered,
+            ..Tally::default()
+        }
+    }
+
     #[test]
-    fn thresholds_judge_only_after_enough_messages() {
+    fn thresholds_judge_only_after_enough_messages_on_both_sides() {
         let t = Thresholds {
             max_retry_rate: Some(0.5),
             min_messages: 10,
             ..Thresholds::default()
         };
-        let mut tally = Tally {
-            retried: 9,
-            ..Tally::default()
-        };
-        assert_eq!(t.breached(&tally), None, "9 settled: too few to judge");
-        tally.retried = 10;
-        assert!(t.breached(&tally).unwrap().contains("retry rate 1.000 (10 of 10"));
-        tally.handled = 10;
-        assert_eq!(t.breached(&tally), None, "0.5 is not above 0.5");
+        let stable = tally(30, 0, 0);
+        assert_eq!(
+            t.breached(&tally(0, 9, 0), &stable),
+            None,
+            "9 settled: too few to judge"
+        );
+        let b = t.breached(&tally(0, 10, 0), &stable).unwrap();
+        assert!(b.retried);
+        assert!(
+            b.why.contains(
+                "retry rate 1.000 (10 of 10 settled messages) is 1.000 above the stable version's 0.000 (0 of 30)"
+            ),
+            "{}",
+            b.why
+        );
+        assert_eq!(
+            t.breached(&tally(0, 10, 0), &tally(9, 0, 0)),
+            None,
+            "the stable side: too few"
+        );
+        assert_eq!(
+            t.breached(&tally(10, 10, 0), &stable),
+            None,
+            "0.5 above is not above 0.5"
+        );
         let dl = Thresholds {
             max_dead_letter_rate: Some(0.0),
             min_messages: 1,
             ..Thresholds::default()
         };
+        let b = dl.breached(&tally(0, 0, 10), &tally(10, 0, 0)).unwrap();
+        assert!(!b.retried && b.why.contains("dead-letter"), "{}", b.why);
         assert!(
-            dl.breached(&Tally {
-                dead_lettered: 1,
-                ..Tally::default()
-            })
-            .unwrap()
-            .contains("dead-letter")
+            b.reason("n1", &["m-1".into(), "m-2".into()])
+                .ends_with("the last 2 messages the canary dead-lettered on this node (n1): m-1, m-2")
         );
         assert!(
             Thresholds {
@@ -471,5 +602,49 @@ mod tests {
             .check()
             .is_err()
         );
+    }
+
+    #[test]
+    fn equal_rates_never_roll_back_and_the_old_absolute_rule_does() {
+        // Issue 32: 15 poison messages of 25 on each side (0.6 against 0.6).
+        let (canary, stable) = (tally(10, 0, 15), tally(10, 0, 15));
+        let mut t = Thresholds {
+            max_dead_letter_rate: Some(0.2),
+            min_messages: 10,
+            ..Thresholds::default()
+        };
+        assert_eq!(t.breached(&canary, &stable), None);
+        t.mode = ThresholdMode::Absolute;
+        let b = t.breached(&canary, &stable).unwrap();
+        assert!(
+            b.why.contains("dead-letter rate 0.600 (15 of 25 settled messages)"),
+            "{}",
+            b.why
+        );
+    }
+
+    #[test]
+    fn a_difference_must_be_significant_as_well_as_above_the_threshold() {
+        let t = Thresholds {
+            max_dead_letter_rate: Some(0.1),
+            min_messages: 5,
+            ..Thresholds::default()
+        };
+        // 3 of 5 against 1 of 5: 0.4 above, but z = 1.3.
+        assert_eq!(t.breached(&tally(2, 0, 3), &tally(4, 0, 1)), None);
+        // 30 of 50 against 10 of 50: 0.4 above, z = 4.1.
+        let b = t.breached(&tally(20, 0, 30), &tally(40, 0, 10)).unwrap();
+        assert!(b.why.contains("by 4.1 standard errors"), "{}", b.why);
+        // Every canary message failed, none of the stable version's.
+        assert!(t.breached(&tally(0, 0, 20), &tally(20, 0, 0)).is_some());
+    }
+
+    #[test]
+    fn old_records_read_as_relative_and_modes_parse() {
+        let old: Thresholds = serde_json::from_str(r#"{"max_retry_rate":0.2,"min_messages":5}"#).unwrap();
+        assert_eq!(old.mode, ThresholdMode::Relative);
+        assert_eq!(ThresholdMode::parse("absolute"), Ok(ThresholdMode::Absolute));
+        assert!(ThresholdMode::parse("abs").unwrap_err().contains("accepted: relative"));
+        assert_eq!(serde_json::to_value(ThresholdMode::Absolute).unwrap(), "absolute");
     }
 }

@@ -240,6 +240,7 @@ impl Runtime {
             settings: Arc::new(settings),
             tally: Default::default(),
             tallying: AtomicBool::new(false),
+            failed: Default::default(),
             pre,
             retired: AtomicBool::new(false),
         };

@@ -38,6 +38,9 @@ pub struct HandlerVersion {
     /// Whether calls count in `tally` (while a canary of the handler runs;
     /// otherwise a message pays one load for it, not three atomic adds).
     pub tallying: AtomicBool,
+    /// The last messages this version retried and dead-lettered while
+    /// `tallying` (the ids a canary's rollback names).
+    pub failed: crate::observe::stats::RecentFailures,
     pub(super) pre: Pre,
     pub(super) retired: AtomicBool,
 }
@@ -117,6 +120,7 @@ impl HandlerVersion {
             permits: self.permits.clone(),
             tally: Default::default(),
             tallying: AtomicBool::new(false),
+            failed: Default::default(),
             pre: self.pre.clone(),
             retired: AtomicBool::new(false),
         })

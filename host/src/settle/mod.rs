@@ -72,6 +72,7 @@ impl Slot<'_> {
             h.settings.metrics.outcomes.record(outcome);
             if h.tallying.load(std::sync::atomic::Ordering::Relaxed) {
                 h.tally.outcomes.record(outcome);
+                h.failed.note(id, outcome);
             }
         }
     }
