@@ -68,6 +68,13 @@ pub struct NodeOptions {
     /// Negative controls for tests: admin fixes switched off. Never in production.
     #[doc(hidden)]
     pub admin_controls: crate::admin::NegativeControls,
+    /// Negative control for tests: the slot bound of parked groups' held
+    /// messages, taken as is instead of `topology.park_hold_slot` (which is
+    /// refused at or above `transport.prefetch`). Set to the prefetch, held
+    /// messages may fill the slot's window: issue 32's wedged slot. Never in
+    /// production.
+    #[doc(hidden)]
+    pub park_hold_slot_unchecked: Option<usize>,
 }
 
 /// A handle on a node that is leaving ([`Node::draining`]): the calls it
@@ -530,6 +537,15 @@ fn topology_settings(config: &Config, opts: &NodeOptions) -> HashMap<String, Top
                 max_unordered: t.max_unordered as usize,
                 prefetch: config.transport.prefetch,
                 park_hold: t.park_hold(config.transport.prefetch),
+                park_hold_slot: opts
+                    .park_hold_slot_unchecked
+                    .inspect(|n| {
+                        tracing::error!(
+                            topology = %t.name,
+                            "the slot bound of parked groups is {n}, unchecked (a test's negative control; never in production)"
+                        );
+                    })
+                    .unwrap_or_else(|| t.park_hold_slot(config.transport.prefetch)),
                 max_run: if opts.max_run == 0 { 32 } else { opts.max_run },
                 schedule: t.schedule(config.transport.kind, None),
                 bypass_lanes: opts.bypass_lanes,

@@ -373,6 +373,11 @@ impl Collector for Scrape {
                 "Groups of a slot parked behind a failed message (on_failure = \"park\").",
                 2,
             ),
+            (
+                "parked_held",
+                "Messages held by a slot's parked groups, their heads counted on JetStream (at most topology.park_hold_slot).",
+                3,
+            ),
         ] {
             let probe = ConstGauge::new(0i64);
             let mut m = encoder.encode_descriptor(name, help, None, probe.metric_type())?;
@@ -382,7 +387,8 @@ impl Collector for Scrape {
                 let v = match pick {
                     0 => queued,
                     1 => running,
-                    _ => counters.parked(),
+                    2 => counters.parked(),
+                    _ => counters.held(),
                 };
                 let labels = [("topology", &*topology), ("slot", slot.as_str())];
                 ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;

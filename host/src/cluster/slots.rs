@@ -169,6 +169,7 @@ impl SlotSet {
             max_unordered: 1,
             prefetch: 1,
             park_hold: 1,
+            park_hold_slot: 0,
             max_run: 1,
             schedule: RetryPolicy::new(Vec::new(), 3).schedule(Redelivery::Host),
             bypass_lanes: false,

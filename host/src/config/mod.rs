@@ -540,6 +540,17 @@ pub struct Topology {
     /// messages are dead-lettered `park-overflow`.
     #[serde(default)]
     pub park_hold: Option<u32>,
+    /// Most messages the parked groups of one slot may hold together (each
+    /// also within `park_hold`); on JetStream each parked group's failed
+    /// head counts too, as it waits unacknowledged. Absent: half of
+    /// `transport.prefetch`; it must stay below `transport.prefetch`. The
+    /// held messages sit in the slot's window, and the failed heads
+    /// (RabbitMQ returns them through the slot's queue) and the slot's other
+    /// groups need room in it: a hold that can fill the window stops the
+    /// slot. Beyond it, the newer messages of parked groups are
+    /// dead-lettered `park-overflow`.
+    #[serde(default)]
+    pub park_hold_slot: Option<u32>,
 }
 
 impl Topology {
@@ -552,6 +563,7 @@ impl Topology {
             max_unordered: defaults::MAX_UNORDERED,
             retry: None,
             park_hold: None,
+            park_hold_slot: None,
         }
     }
 
@@ -560,6 +572,14 @@ impl Topology {
     pub fn park_hold(&self, prefetch: u32) -> usize {
         let cap = if prefetch == 0 { u32::MAX } else { (prefetch / 2).max(1) };
         self.park_hold.unwrap_or(defaults::PARK_HOLD).min(cap) as usize
+    }
+
+    /// Most messages the parked groups of one slot of this topology may hold
+    /// together with `prefetch` (see [`Topology::park_hold_slot`]): always
+    /// below the window.
+    pub fn park_hold_slot(&self, prefetch: u32) -> usize {
+        let below = prefetch.saturating_sub(1);
+        self.park_hold_slot.unwrap_or(prefetch / 2).min(below) as usize
     }
 
     /// The effective retry policy: the section over [`RetryPolicy::default`].

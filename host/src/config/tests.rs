@@ -1038,3 +1038,31 @@ fn park_is_for_single_messages_and_its_hold_leaves_room_in_the_window() {
     );
     assert!(syntax(&base("on_failure = \"stop\"\n")).contains("on_failure"));
 }
+
+/// Issue 32 item 4: the parked groups of a slot hold less than its window
+/// together, by default half of it; a bound at or above the window is
+/// refused, naming the key.
+#[test]
+fn the_slot_hold_of_parked_groups_stays_below_the_window() {
+    let with = |extra: &str| {
+        base("on_failure = \"park\"\n")
+            .replace("slots = 4\n", &format!("slots = 4\n{extra}"))
+            .replacen("[[topology]]", "[transport]\nprefetch = 256\n[[topology]]", 1)
+    };
+    let c = parse(&with(""), "weir.toml").unwrap();
+    assert_eq!(c.topology[0].park_hold_slot(256), 128, "default: half the window");
+    assert_eq!(c.topology[0].park_hold_slot(1), 0, "a window of one holds nothing");
+    let c = parse(&with("park_hold_slot = 255\n"), "weir.toml").unwrap();
+    assert_eq!(c.topology[0].park_hold_slot(256), 255);
+    assert_eq!(
+        parse(&with("park_hold_slot = 0\n"), "weir.toml").unwrap().topology[0].park_hold_slot(256),
+        0
+    );
+    for at_or_above in ["256", "1000"] {
+        assert_one(
+            &with(&format!("park_hold_slot = {at_or_above}\n")),
+            "topology[0].park_hold_slot",
+            "not below the slot's window (transport.prefetch = 256)",
+        );
+    }
+}

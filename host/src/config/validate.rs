@@ -374,6 +374,7 @@ impl Config {
                     ),
                 );
             }
+            self.validate_park_hold_slot(t, &key, errors, warnings);
             if t.max_concurrent_groups == 0 {
                 errors.add(
                     format!("{key}.max_concurrent_groups"),
@@ -391,6 +392,43 @@ impl Config {
                 .check(&CheckContext::new(Self::retry_key(i)));
             errors.0.extend(report.errors);
             warnings.extend(report.warnings);
+        }
+    }
+
+    /// `park_hold_slot` must leave room in the slot's window (issue 32: a
+    /// hold that fills it stops the slot for good on RabbitMQ); a group's
+    /// `park_hold` above it is only ever reached through it (a warning).
+    fn validate_park_hold_slot(
+        &self,
+        t: &super::Topology,
+        key: &str,
+        errors: &mut Issues,
+        warnings: &mut Vec<Violation>,
+    ) {
+        let prefetch = self.transport.prefetch;
+        let Some(bound) = t.park_hold_slot else { return };
+        if prefetch > 0 && bound >= prefetch {
+            errors.add(
+                format!("{key}.park_hold_slot"),
+                format!(
+                    "is {bound}, which is not below the slot's window (transport.prefetch = {prefetch}): \
+                     parked groups could fill it, and then neither their failed heads (RabbitMQ brings \
+                     them back through the slot's queue) nor the slot's other groups are delivered again, \
+                     so the slot stops; accepted: 0 to {} (default: prefetch / 2 = {})",
+                    prefetch - 1,
+                    prefetch / 2
+                ),
+            );
+        } else if let Some(hold) = t.park_hold
+            && hold > bound
+        {
+            warnings.push(Violation {
+                key: format!("{key}.park_hold"),
+                message: format!(
+                    "is {hold}, above {key}.park_hold_slot = {bound}: no parked group holds more than \
+                     the slot's bound"
+                ),
+            });
         }
     }
 

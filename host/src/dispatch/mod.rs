@@ -127,6 +127,11 @@ pub struct TopologySettings {
     pub prefetch: u32,
     /// Most messages a parked group may hold (`topology.park_hold`).
     pub park_hold: usize,
+    /// Most messages the parked groups of the slot may hold together, their
+    /// heads counted on JetStream (`topology.park_hold_slot`): below
+    /// `prefetch`, so held messages never fill the window that their heads
+    /// and the slot's other groups come back through.
+    pub park_hold_slot: usize,
     /// Messages of one lane handed to a worker in one job (they still run
     /// one after another).
     pub max_run: usize,

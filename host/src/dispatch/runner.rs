@@ -14,6 +14,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
 
 use crate::outcome::{Outcome, Reason};
+use crate::retry::schedule::Redelivery;
 use crate::runtime::Interrupt;
 use crate::settle::capture::{capture_envelope, capture_undecodable};
 use crate::transport::{Delivery, Disposition};
@@ -62,6 +63,15 @@ impl Done {
     }
 }
 
+/// The hold bound a parked group's message ran into.
+#[derive(Debug, Clone, Copy)]
+enum Bound {
+    /// `topology.park_hold`: the group's own.
+    Group,
+    /// `topology.park_hold_slot`: all the parked groups of the slot together.
+    Slot,
+}
+
 /// Deliveries a runner takes from the subscription before it schedules.
 const BURST: usize = 512;
 
@@ -84,6 +94,13 @@ pub struct SlotRunner {
     inflight: FuturesUnordered<BoxFuture<'static, (Done, usize, Parks)>>,
     /// Lanes with a parked group.
     parked: usize,
+    /// Messages waiting in the queues of parked lanes: held in the slot's
+    /// window until their group's head ends (see [`SlotRunner::slot_hold`]).
+    held: usize,
+    /// The broker keeps a parked group's failed head unacknowledged while
+    /// it waits on the ladder (JetStream: a delayed `Nak`), so the head
+    /// fills a place in the slot's window too.
+    heads_pending: bool,
     /// Parked groups read from the store at start, by the time their head
     /// must be back (stale entries skipped).
     park_deadlines: BinaryHeap<Reverse<(Instant, u64)>>,
@@ -99,6 +116,7 @@ pub struct SlotRunner {
 impl SlotRunner {
     /// A runner for one slot; nothing happens until [`SlotRunner::run`].
     pub fn new(p: Arc<Pipeline>, s: SlotSettings) -> Self {
+        let heads_pending = matches!(s.schedule.redelivery(), Redelivery::JetStream { .. });
         Self {
             p,
             s: Arc::new(s),
@@ -112,6 +130,8 @@ impl SlotRunner {
             running_unordered: 0,
             inflight: FuturesUnordered::new(),
             parked: 0,
+            held: 0,
+            heads_pending,
             park_deadlines: BinaryHeap::new(),
             skipped: std::collections::HashSet::new(),
             in_jobs: 0,
@@ -195,6 +215,11 @@ impl SlotRunner {
                 s.counters
                     .set_depth(self.queued + self.unordered.len(), self.running_groups);
                 s.counters.set_parked(self.parked);
+                s.counters.set_held(self.slot_hold());
+                debug_assert!(
+                    self.parked > 0 || self.held == 0,
+                    "held messages without a parked group"
+                );
             }
         }
         {
@@ -206,6 +231,7 @@ impl SlotRunner {
         }
         s.counters.set_depth(0, 0);
         s.counters.set_parked(0);
+        s.counters.set_held(0);
         self.p.stats.forget_parked_groups(&(s.topology.clone(), s.slot));
         self.drain(sub.as_mut()).await;
         sub.close().await;
@@ -239,6 +265,7 @@ impl SlotRunner {
                 idle.extend(take_queue(&stats, lane));
             }
             self.queued = 0;
+            self.held = 0;
             self.release(idle).await;
         }
         while collecting || !self.inflight.is_empty() {
@@ -268,6 +295,7 @@ impl SlotRunner {
         }
         self.lanes.clear();
         self.queued = 0;
+        self.held = 0;
         self.release(rest).await;
     }
 
@@ -329,6 +357,7 @@ impl SlotRunner {
             self.unordered.push_back(d);
             return;
         };
+        let slot_full = self.slot_hold() >= self.s.park_hold_slot;
         let lane = self.lanes.entry(key).or_insert_with(|| Lane {
             loose,
             ..Lane::default()
@@ -344,17 +373,36 @@ impl SlotRunner {
         };
         match lane.parked.as_mut() {
             // The parked head is back from the ladder: it runs first.
-            Some(p) if !p.head_back && queued.env().is_some_and(|e| e.id == p.id) => {
-                p.head_back = true;
-                lane.queue.push_front(queued);
+            // (Back before its job ended, on a ladder that retries at once:
+            // it waits at the back for [`SlotRunner::park`] to bring it
+            // forward. A head is never dead-lettered for the hold.)
+            Some(p) if queued.env().is_some_and(|e| e.id == p.id) => {
+                if p.head_back {
+                    lane.queue.push_back(queued);
+                } else {
+                    p.head_back = true;
+                    lane.queue.push_front(queued);
+                }
+                self.held += 1;
             }
-            // A parked group holds what it may; the rest is dead-lettered.
+            // A parked group holds what it may, and all the parked groups
+            // of the slot together hold less than its window; the rest is
+            // dead-lettered.
             Some(p) if lane.queue.len() >= self.s.park_hold => {
                 let head = p.id.clone();
-                self.overflow(queued.d, &head);
+                self.overflow(queued.d, &head, Bound::Group);
                 return;
             }
-            _ => lane.queue.push_back(queued),
+            Some(p) if slot_full => {
+                let head = p.id.clone();
+                self.overflow(queued.d, &head, Bound::Slot);
+                return;
+            }
+            Some(_) => {
+                lane.queue.push_back(queued);
+                self.held += 1;
+            }
+            None => lane.queue.push_back(queued),
         }
         self.queued += 1;
         // A lingering batch may be complete now: look again.
@@ -468,7 +516,10 @@ impl SlotRunner {
                     p.failures
                 }
                 _ => {
-                    self.parked += usize::from(lane.parked.is_none());
+                    if lane.parked.is_none() {
+                        self.parked += 1;
+                        self.held += lane.queue.len();
+                    }
                     lane.parked = Some(Parked {
                         id: id.clone(),
                         since: Instant::now(),
@@ -496,6 +547,9 @@ impl SlotRunner {
                 .stats
                 .set_parked_group(&slot_key, *key, Some(shown(record, failures)));
         }
+        for (key, _) in &parks {
+            self.trim_hold(*key);
+        }
         for key in keys {
             if parks.iter().any(|(k, _)| k == key) {
                 continue;
@@ -503,6 +557,7 @@ impl SlotRunner {
             let Some(lane) = self.lanes.get_mut(key) else { continue };
             if let Some(p) = lane.parked.take_if(|p| p.head_back) {
                 self.parked -= 1;
+                self.held -= lane.queue.len();
                 self.p.stats.set_parked_group(&slot_key, *key, None);
                 tracing::info!(
                     topology = %s.topology, slot = s.slot, message_id = %p.id, failures = p.failures,
@@ -581,6 +636,7 @@ impl SlotRunner {
                 continue;
             };
             self.parked -= 1;
+            self.held -= lane.queue.len();
             self.p
                 .stats
                 .set_parked_group(&(self.s.topology.clone(), self.s.slot), key, None);
@@ -625,6 +681,7 @@ impl SlotRunner {
         }
         let Some(p) = lane.parked.take() else { return };
         self.parked -= 1;
+        self.held -= lane.queue.len();
         self.p.stats.set_parked_group(&(s.topology.clone(), s.slot), key, None);
         tracing::warn!(
             topology = %s.topology, slot = s.slot, group = %o.group, message_id = %p.id, held = lane.queue.len(),
@@ -659,15 +716,64 @@ impl SlotRunner {
         let _ = o.reply.send(Ok(p.id));
     }
 
-    /// A message of a parked group that already holds `park_hold`: captured
-    /// as `park-overflow` (the window must keep room for the head and the
-    /// other groups).
-    fn overflow(&mut self, d: Delivery, head: &str) {
-        let error = format!(
-            "its group is parked behind message {head}, which waits on the retry ladder, and already holds \
-             {} messages (topology.park_hold)",
-            self.s.park_hold
-        );
+    /// What the parked groups of the slot hold in its window: the messages
+    /// in their lanes and, where the broker keeps a failed head
+    /// unacknowledged while it waits on the ladder (JetStream), one head per
+    /// group. Kept at most `park_hold_slot`, below the window, so held
+    /// messages never stop the deliveries that release them: the heads
+    /// coming back (RabbitMQ brings them through the slot's queue, behind
+    /// the window) and the slot's other groups.
+    fn slot_hold(&self) -> usize {
+        self.held + if self.heads_pending { self.parked } else { 0 }
+    }
+
+    /// Keep a group that just parked within its hold and the slot's: the
+    /// newest of the messages that arrived while its head ran, beyond
+    /// either bound, are dead-lettered `park-overflow`. A head already back
+    /// from the ladder (at the front) stays.
+    fn trim_hold(&mut self, key: u64) {
+        let others = self.slot_hold();
+        let Some(lane) = self.lanes.get_mut(&key) else { return };
+        let Some(p) = lane.parked.as_ref() else { return };
+        let room = self
+            .s
+            .park_hold_slot
+            .saturating_sub(others.saturating_sub(lane.queue.len()));
+        let (keep, bound) = if self.s.park_hold <= room {
+            (self.s.park_hold, Bound::Group)
+        } else {
+            (room, Bound::Slot)
+        };
+        let keep = keep.max(usize::from(p.head_back));
+        if lane.queue.len() <= keep {
+            return;
+        }
+        let head = p.id.clone();
+        let excess: Vec<Delivery> = lane.queue.drain(keep..).map(|q| q.d).collect();
+        self.queued -= excess.len();
+        self.held -= excess.len();
+        for d in excess {
+            self.overflow(d, &head, bound);
+        }
+    }
+
+    /// A message of a parked group beyond `bound`: captured as
+    /// `park-overflow` (the window must keep room for the head and the
+    /// other groups), the reason naming the bound.
+    fn overflow(&mut self, d: Delivery, head: &str, bound: Bound) {
+        let error = match bound {
+            Bound::Group => format!(
+                "its group is parked behind message {head}, which waits on the retry ladder, and already holds \
+                 {} messages (topology.park_hold)",
+                self.s.park_hold
+            ),
+            Bound::Slot => format!(
+                "its group is parked behind message {head}, which waits on the retry ladder, and the parked \
+                 groups of slot {} already hold {} messages together (topology.park_hold_slot, kept below \
+                 transport.prefetch = {} so that failed heads and the slot's other groups keep room in its window)",
+                self.s.slot, self.s.park_hold_slot, self.s.prefetch
+            ),
+        };
         self.capture_now(d, Reason::ParkOverflow, error);
     }
 
@@ -773,6 +879,9 @@ impl SlotRunner {
                         }
                         Take::Batch(batch, reason) => {
                             self.queued -= batch.len();
+                            if lane.parked.is_some() {
+                                self.held -= batch.len();
+                            }
                             members += batch.len();
                             lane.running += 1;
                             self.running_groups += 1;
@@ -802,6 +911,9 @@ impl SlotRunner {
                 };
                 run.extend(lane.queue.drain(..n).map(|q| q.d));
                 self.queued -= n;
+                if lane.parked.is_some() {
+                    self.held -= n;
+                }
                 lane.running += 1;
                 self.running_groups += 1;
                 keys.push(key);

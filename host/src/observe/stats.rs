@@ -23,6 +23,9 @@ pub struct OutcomeCounters {
     running: AtomicU64,
     /// Groups parked behind a failed message (`on_failure = "park"`).
     parked: AtomicU64,
+    /// Messages held by the slot's parked groups (at most
+    /// `topology.park_hold_slot`, the heads on JetStream counted).
+    held: AtomicU64,
 }
 
 /// The outcome labels, in counter order.
@@ -65,6 +68,17 @@ impl OutcomeCounters {
     /// Groups parked in the slot now.
     pub fn set_parked(&self, parked: usize) {
         self.parked.store(parked as u64, Ordering::Relaxed);
+    }
+
+    /// Messages the slot's parked groups hold now, their heads counted
+    /// where the broker keeps them unacknowledged (JetStream).
+    pub fn set_held(&self, held: usize) {
+        self.held.store(held as u64, Ordering::Relaxed);
+    }
+
+    /// Messages the slot's parked groups held at the last look.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
     }
 
     /// Groups parked in the slot at the last look.
