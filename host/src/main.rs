@@ -637,15 +637,20 @@ async fn warn_unconsumed_static_slots(cfg: &config::Config, transport: &dyn weir
 }
 
 /// Leave: stop taking messages, let the calls in flight finish (saying
-/// which, every second), release what has not started, and exit. A second
-/// SIGINT or SIGTERM interrupts the calls still running: they go back to the
-/// broker unfinished, like everything not started, and nothing is lost.
+/// which, every second), start no other call (the rest of a job holding
+/// several messages is released with what was queued), and exit. So the
+/// drain lasts as long as the calls that were running when it began. A
+/// second SIGINT or SIGTERM interrupts the calls still running: they go
+/// back to the broker unfinished, like everything not started, and nothing
+/// is lost.
 async fn drain(node: Node) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let draining = node.draining();
+    let running: i64 = draining.in_flight().iter().map(|(_, n)| n).sum();
     tracing::info!(
-        "signal received: draining (no new messages; the calls in flight finish, the rest goes back to the broker; \
-         a second Ctrl-C interrupts the calls)"
+        running,
+        "signal received: draining: {running} call(s) running finish, no other call starts, the rest goes back to \
+         the broker (a second Ctrl-C interrupts the calls)"
     );
     let progress = {
         let draining = draining.clone();

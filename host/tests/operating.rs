@@ -265,3 +265,131 @@ fn negative_control_an_interrupt_that_fails_the_call_spends_an_attempt() {
     );
     assert!(log.contains("retry scheduled"), "{log}");
 }
+
+/// Issue 33 item 6: SIGTERM while two lanes each run a call with the rest
+/// of their group in the same job. The drain waits for the calls running
+/// when it began and no other: no call starts after the signal, the
+/// messages those jobs had not started go back to the broker unspent (no
+/// retry, attempt unchanged) with what was still queued, and the progress
+/// lines never count more calls than were running. Returns the calls that
+/// started after the signal, the most calls a progress line counted, the
+/// messages back on the queue, and the log.
+fn sigterm_with_jobs_in_flight(negative_control: bool) -> (usize, usize, Option<u64>, String) {
+    const SLEEP_MS: u32 = 1500;
+    let topo = common::rabbit::Topo::new(1, &[]);
+    let url = common::rabbit::url();
+    let port = free_port();
+    let config = with_admin(
+        &node_config("d", "rabbitmq", &url, 64, "mode = \"solo\"", &topo.name, 1),
+        port,
+    )
+    .replace(
+        "message_types = [\"ok\", \"slow\"]",
+        "message_types = [\"ok\", \"slow\", \"hostile.sleep\"]",
+    );
+    let mut cluster = Cluster::default();
+    // A first node declares the topology and leaves, so the messages wait
+    // on the queue and reach the next node together: each lane's job holds
+    // the rest of its group.
+    let first = cluster.start("d0", &config.replace("name = \"d\"", "name = \"d0\""));
+    cluster.nodes[first].terminate(Duration::from_secs(30));
+    let mut msgs = Vec::new();
+    for g in ["ga", "gb"] {
+        // A short call first: once it ended, the lane's next call is one of
+        // the long ones, with the group's later messages queued behind it.
+        msgs.push(common::message("hostile.sleep", Some(g), b"200"));
+        for _ in 0..5 {
+            msgs.push(common::message(
+                "hostile.sleep",
+                Some(g),
+                SLEEP_MS.to_string().as_bytes(),
+            ));
+        }
+    }
+    common::cluster::publish(
+        || weir::transport::rabbitmq::RabbitMq::new(url.as_str(), "operating-test"),
+        &topo.name,
+        &msgs,
+        |_| 0,
+    );
+    let env: &[(&str, &str)] = if negative_control {
+        &[(weir::dispatch::runner::NEGATIVE_CONTROL_DRAIN_STARTS_CALLS, "1")]
+    } else {
+        &[]
+    };
+    let d = cluster.start_with_env("d", &config, env);
+    // Both short calls ended and both lanes run a long call.
+    let start = Instant::now();
+    loop {
+        let report = cluster.report();
+        let (_, metrics) = call("GET", port, "/metrics", Some(TOKEN), b"");
+        if report.calls.len() >= 2
+            && metrics
+                .as_str()
+                .unwrap_or_default()
+                .contains("weir_handler_calls_in_flight{handler=\"faulty\",tenant=\"\"} 2")
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "two long calls never ran at once:\n{}",
+            cluster.nodes[d].log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = weir::observe::journal::monotonic_ns();
+    cluster.nodes[d].send_signal(libc::SIGTERM);
+    let status = cluster.nodes[d].wait(Duration::from_secs(60));
+    let log = cluster.nodes[d].log();
+    assert!(status.success(), "{status}: {log}");
+    let report = cluster.report();
+    let started_after = report.calls.iter().filter(|c| c.start > signalled).count();
+    let most_waited = log
+        .lines()
+        .filter_map(|l| l.split("waiting for ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse::<usize>().ok())
+        .max()
+        .unwrap_or(0);
+    assert!(!log.contains("retry scheduled"), "a release spent an attempt:\n{log}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let backlog = rt.block_on(async {
+        let t = weir::transport::rabbitmq::RabbitMq::new(url.as_str(), "operating-test");
+        t.backlog(&topo.name, 0).await.unwrap()
+    });
+    drop(topo);
+    eprintln!(
+        "drain{}: {started_after} call(s) started after SIGTERM, progress counted at most {most_waited}, \
+         {backlog:?} back on the queue",
+        if negative_control { " (negative control)" } else { "" }
+    );
+    (started_after, most_waited, backlog, log)
+}
+
+#[test]
+fn a_draining_node_starts_no_call_and_gives_the_rest_of_its_jobs_back() {
+    let (started_after, most_waited, backlog, log) = sigterm_with_jobs_in_flight(false);
+    assert_eq!(started_after, 0, "a call started after SIGTERM:\n{log}");
+    assert!(
+        most_waited <= 2,
+        "a progress line counted {most_waited} calls, 2 were running:\n{log}"
+    );
+    assert_eq!(
+        backlog,
+        Some(8),
+        "the two running calls finish; the 8 messages not started go back:\n{log}"
+    );
+    assert!(
+        log.contains("signal received: draining: 2 call(s) running finish"),
+        "{log}"
+    );
+}
+
+/// The red baseline of the test above: a drain that lets jobs start their
+/// next calls runs messages after the signal.
+#[test]
+fn negative_control_a_drain_that_starts_calls_runs_the_rest_of_its_jobs() {
+    let (started_after, _, backlog, log) = sigterm_with_jobs_in_flight(true);
+    assert!(started_after >= 2, "the control started no call after SIGTERM:\n{log}");
+    assert!(backlog.is_some_and(|b| b < 8), "{backlog:?}:\n{log}");
+}

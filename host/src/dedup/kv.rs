@@ -2,8 +2,10 @@
 //! `<cluster.bucket>-dedup`, beside the coordination bucket, one key per
 //! record (`d.` and 128 bits of SHA-256 of the tenant, group and id), its
 //! value the window in milliseconds. The bucket's `max_age` is the longest
-//! window of the config, so the server drops records that every handler
-//! has forgotten; a shorter window is judged on the entry's server time.
+//! window of the config (set to it at every start, up or down), so the
+//! server deletes records that every handler has forgotten and the bucket
+//! holds about rate × window (nats-server 2.9 has no per-key TTL); a
+//! shorter window is judged on the entry's server time.
 
 use std::time::{Duration, SystemTime};
 
@@ -37,10 +39,24 @@ pub struct Bucket {
 }
 
 impl Bucket {
-    /// Open (or create) bucket `name` with `replicas`, keeping records up to
-    /// `longest` (a bucket that keeps them for less is raised to it).
+    /// Open (or create) bucket `name` with `replicas`, keeping records for
+    /// `longest` (a bucket that keeps them for more or less is set to it:
+    /// the node started last sets it).
     pub async fn open(js: &jetstream::Context, name: &str, replicas: usize, longest: Duration) -> anyhow::Result<Self> {
         let kv = side_bucket(js, name, replicas, longest, "weir: handled messages (handler.dedup)").await?;
+        let stream = format!("KV_{name}");
+        let mut s = js
+            .get_stream(&stream)
+            .await
+            .with_context(|| format!("reading stream {stream}"))?;
+        let info = s.info().await.with_context(|| format!("reading stream {stream}"))?;
+        if info.config.max_age != longest {
+            let mut config = info.config.clone();
+            config.max_age = longest;
+            js.update_stream(config)
+                .await
+                .with_context(|| format!("setting the max_age of {stream} to the longest dedup window"))?;
+        }
         Ok(Self { kv })
     }
 }

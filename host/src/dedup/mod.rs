@@ -1,18 +1,24 @@
 //! `handler.dedup`: no second call for a message whose handler already
-//! succeeded. After a success (its cascades confirmed) and before its ack,
-//! the host records (tenant, group, message id) in the coordinator's store
-//! for the handler's `window`; before a call, it looks the message up, and
-//! one already recorded is acked without a call. So a kill -9 between a
-//! success and its ack costs no second call on the next owner.
+//! succeeded. Right before a message's call, the host looks it up in the
+//! coordinator's store; one already recorded is acked without a call. As
+//! soon as the call succeeded and its cascades were confirmed, before the
+//! next call of its job, the host records (tenant, group, message id) for
+//! the handler's `window`; the ack comes after. So a kill -9 between a
+//! success and its ack costs no second call on the next owner, and a copy
+//! queued behind the first in the same job is caught from the job's own
+//! memory, with no round trip ([`crate::dispatch`]'s `dedup_calls`).
 //!
 //! What it cannot cover: a crash after the handler's effects but before the
-//! record lands (the same gap as any effect outside the broker), a record
-//! that could not be written (counted and logged; the message is acked all
-//! the same), and a redelivery after `window`.
+//! record lands (its cascades' confirms and one write), a record that could
+//! not be written (counted and logged; the message is acked all the same),
+//! two copies running at once (messages without a group, in two jobs), two
+//! copies in one `handle-batch` call, and a redelivery after `window`.
 //!
-//! One lookup per job and one write per job's successes, in both stores:
-//! [`pg`] (a table, `cluster.mode = "postgres"`) and [`kv`] (a bucket beside
-//! the coordination bucket, `cluster.mode = "nats-kv"`).
+//! One lookup and one write per message, in both stores: [`pg`] (a table,
+//! `cluster.mode = "postgres"`, expired rows deleted every second) and
+//! [`kv`] (a bucket beside the coordination bucket, `cluster.mode =
+//! "nats-kv"`, whose `max_age` is the longest window). The lookups and
+//! writes of every lane of a node are merged ([`Coalesced`]).
 
 pub mod kv;
 pub mod pg;
@@ -304,6 +310,141 @@ mod tests {
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             .execute(&mut admin)
             .await;
+    }
+
+    /// A fresh database on the test server (with the node's migrations),
+    /// its pool, and the admin connection that drops it.
+    async fn test_database() -> (sqlx::PgPool, sqlx::PgConnection, String) {
+        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!("weir_d_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let pool = crate::cluster::postgres::connect(&format!("{server}/{name}"))
+            .await
+            .unwrap();
+        (pool, admin, name)
+    }
+
+    /// Records written at a steady rate for `for_` with a window of
+    /// `window`, on a store purging every `purge`: the rows when the writes
+    /// end, how many were written, and the rate.
+    async fn write_steadily(
+        store: &dyn Store,
+        pool: &sqlx::PgPool,
+        window: Duration,
+        for_: Duration,
+    ) -> (i64, usize, f64) {
+        let started = std::time::Instant::now();
+        let mut written = 0;
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        while started.elapsed() < for_ {
+            tick.tick().await;
+            let keys: Vec<(Key, Duration)> = (0..100)
+                .map(|i| (key("t", "steady", &format!("{written}-{i}")), window))
+                .collect();
+            written += keys.len();
+            record(store, keys).await.unwrap();
+        }
+        let rate = written as f64 / started.elapsed().as_secs_f64();
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM weir_dedup")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        (rows, written, rate)
+    }
+
+    /// Issue 33 item 4: expired records are deleted, so a steady stream of
+    /// writes leaves about rate × window in the table, not every record
+    /// ever written; and after the writes stop, no record stays long past
+    /// its window. Its red baseline: without the purge, everything stays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_holds_about_rate_times_window() {
+        let (pool, mut admin, name) = test_database().await;
+        let window = Duration::from_millis(500);
+        let store = pg::Postgres::with_purge(pool.clone(), Some(Duration::from_millis(250)));
+        let (rows, written, rate) = write_steadily(&store, &pool, window, Duration::from_secs(4)).await;
+        let expected = rate * (window + Duration::from_millis(250)).as_secs_f64();
+        eprintln!(
+            "purged: {written} written at {rate:.0}/s, {rows} rows left (rate × (window + period) = {expected:.0})"
+        );
+        assert!(
+            (rows as f64) < 2.0 * expected && (rows as usize) < written / 2,
+            "{rows} rows left of {written} written at {rate:.0}/s: expected about {expected:.0}"
+        );
+        let start = std::time::Instant::now();
+        loop {
+            let stale: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM weir_dedup WHERE expires_at < now() - interval '1 second'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            if stale == 0 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "{stale} records stayed past their window"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        drop(store);
+        sqlx::query("DELETE FROM weir_dedup").execute(&pool).await.unwrap();
+        // The red baseline: no purge, every record stays.
+        let store = pg::Postgres::with_purge(pool.clone(), None);
+        let (rows, written, _) = write_steadily(&store, &pool, window, Duration::from_secs(2)).await;
+        assert_eq!(rows as usize, written, "without the purge every record stays");
+        pool.close().await;
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await;
+    }
+
+    /// Issue 33 item 4 on NATS: the bucket keeps records for the config's
+    /// longest window, set at every open (down as well as up), so a bucket
+    /// made with a long window and reopened with a short one empties after
+    /// it. Its red baseline, a bucket left at the long window, keeps all.
+    #[tokio::test]
+    async fn a_bucket_forgets_after_the_window() {
+        let server = std::env::var("WEIR_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+        let js = async_nats::jetstream::new(async_nats::connect(&server).await.unwrap());
+        let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+        let (short, long) = (format!("weir-d-s{suffix}"), format!("weir-d-l{suffix}"));
+        kv::Bucket::open(&js, &short, 1, Duration::from_secs(600))
+            .await
+            .unwrap();
+        let window = Duration::from_secs(1);
+        let shortened = kv::Bucket::open(&js, &short, 1, window).await.unwrap();
+        let kept = kv::Bucket::open(&js, &long, 1, Duration::from_secs(600)).await.unwrap();
+        let keys: Vec<(Key, Duration)> = (0..500).map(|i| (key("t", "g", &i.to_string()), window)).collect();
+        record(&shortened, keys.clone()).await.unwrap();
+        record(&kept, keys).await.unwrap();
+        let count = |name: String| {
+            let js = js.clone();
+            async move {
+                let mut s = js.get_stream(format!("KV_{name}")).await.unwrap();
+                s.info().await.unwrap().state.messages
+            }
+        };
+        let start = std::time::Instant::now();
+        while count(short.clone()).await > 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "the shortened bucket kept its records"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert_eq!(
+            count(long.clone()).await,
+            500,
+            "the red baseline: a long max_age keeps every record"
+        );
+        let _ = js.delete_stream(format!("KV_{short}")).await;
+        let _ = js.delete_stream(format!("KV_{long}")).await;
     }
 
     #[tokio::test]

@@ -1,8 +1,13 @@
 //! Dedup records in PostgreSQL (`cluster.mode = "postgres"`): table
 //! `weir_dedup` (migration 0004), windows on the database's clock, on a
 //! pool of their own so lookups never queue ahead of lease renewals.
+//!
+//! Expired records are deleted by a task of the store's own, every
+//! [`PURGE_EVERY`], in bounded chunks found through the index on
+//! `expires_at` until none is left (at most [`PURGE_ROUNDS`] chunks a
+//! turn), so the table holds about rate × window, and no write of a
+//! record ever waits for a purge.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -14,15 +19,26 @@ use super::{Key, Store};
 
 /// Connections of the dedup pool.
 const CONNECTIONS: u32 = 4;
-/// Every this many writes, one also deletes expired records (a bounded chunk).
-const PURGE_EVERY: u64 = 256;
-/// Most expired records one purge deletes.
-const PURGE_CHUNK: i64 = 10_000;
+/// How often expired records are deleted.
+pub const PURGE_EVERY: Duration = Duration::from_secs(1);
+/// Most expired records one DELETE removes.
+const PURGE_CHUNK: i64 = 5_000;
+/// Most DELETEs one turn runs (a backlog is worked off over several turns).
+const PURGE_ROUNDS: usize = 40;
 
 /// The `weir_dedup` table.
 pub struct Postgres {
     pool: PgPool,
-    writes: AtomicU64,
+    /// The purge task (aborted when the store is dropped).
+    purger: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        if let Some(p) = self.purger.take() {
+            p.abort();
+        }
+    }
 }
 
 impl Postgres {
@@ -38,12 +54,18 @@ impl Postgres {
         Ok(Self::new(pool))
     }
 
-    /// Over `pool`.
+    /// Over `pool`, purging every [`PURGE_EVERY`] (spawns the purge task on
+    /// the current runtime).
     pub fn new(pool: PgPool) -> Self {
-        Self {
-            pool,
-            writes: AtomicU64::new(0),
-        }
+        Self::with_purge(pool, Some(PURGE_EVERY))
+    }
+
+    /// Over `pool`, purging every `every` (`None`: never, for a test's
+    /// negative control).
+    #[doc(hidden)]
+    pub fn with_purge(pool: PgPool, every: Option<Duration>) -> Self {
+        let purger = every.map(|every| tokio::spawn(purge_loop(pool.clone(), every)));
+        Self { pool, purger }
     }
 
     fn columns<'a>(keys: impl Iterator<Item = &'a Key>) -> (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>) {
@@ -57,17 +79,51 @@ impl Postgres {
         }
         (t, g, m)
     }
+}
 
-    async fn purge(&self) -> anyhow::Result<u64> {
-        let done = sqlx::query(
-            "DELETE FROM weir_dedup WHERE ctid IN \
-             (SELECT ctid FROM weir_dedup WHERE expires_at < now() LIMIT $1)",
+/// Every `every`, delete expired records until none is left (bounded).
+async fn purge_loop(pool: PgPool, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut deleted = 0;
+        for _ in 0..PURGE_ROUNDS {
+            match purge_chunk(&pool).await {
+                Ok(n) => {
+                    deleted += n;
+                    if n < PURGE_CHUNK as u64 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "deleting expired dedup records failed; the next turn tries again");
+                    break;
+                }
+            }
+        }
+        if deleted > 0 {
+            tracing::debug!(deleted, "expired dedup records deleted");
+        }
+    }
+}
+
+/// Delete up to [`PURGE_CHUNK`] expired records, found by the index on
+/// `expires_at`; rows another node is deleting are skipped, not waited for.
+async fn purge_chunk(pool: &PgPool) -> anyhow::Result<u64> {
+    let done = tokio::time::timeout(
+        super::STORE_TIMEOUT,
+        sqlx::query(
+            "DELETE FROM weir_dedup WHERE ctid = ANY(ARRAY(\
+             SELECT ctid FROM weir_dedup WHERE expires_at < now() LIMIT $1 FOR UPDATE SKIP LOCKED))",
         )
         .bind(PURGE_CHUNK)
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected())
-    }
+        .execute(pool),
+    )
+    .await
+    .context("deleting expired records from weir_dedup took too long")?
+    .context("deleting expired records from weir_dedup")?;
+    Ok(done.rows_affected())
 }
 
 #[async_trait]
@@ -120,14 +176,6 @@ impl Store for Postgres {
         .execute(&self.pool)
         .await
         .context("writing weir_dedup")?;
-        if self.writes.fetch_add(1, Ordering::Relaxed) % PURGE_EVERY == PURGE_EVERY - 1 {
-            match self.purge().await {
-                Ok(n) => tracing::debug!(deleted = n, "expired dedup records purged"),
-                Err(e) => {
-                    tracing::warn!(error = %e, "purging expired dedup records failed; the next purge tries again")
-                }
-            }
-        }
         Ok(())
     }
 }

@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use crate::bindings::weir::handler::types::Failure;
 use crate::dedup;
@@ -21,6 +20,7 @@ use crate::settle::cascades::publish_cascades;
 use crate::settle::decide::settle_all;
 use crate::transport::{Delivery, Disposition};
 
+use super::dedup_calls::{acked_as_handled, call_with_dedup, lookup_all};
 use super::lane::lane_key;
 use super::{Pipeline, SlotSettings};
 
@@ -150,11 +150,12 @@ async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<E
     (envs, pending)
 }
 
-/// Drop from a run what `handler.dedup` says was handled already: each such
-/// delivery is acked without a call (`deduplicated`). A lookup that fails is
-/// tried again (the lane waits: running the rest would break its order)
-/// until it answers or the slot's calls are interrupted (fence, drain
-/// deadline), which releases the whole run unstarted, in arrival order.
+/// Drop from a batch what `handler.dedup` says was handled already (one
+/// lookup right before the batch's call): each such member is acked without
+/// a call (`deduplicated`). A lookup that fails is tried again (the lane
+/// waits: running the rest would break its order) until it answers or the
+/// slot stops (a drain, a fence), which releases the whole batch unstarted,
+/// in arrival order.
 async fn skip_handled(
     p: &Pipeline,
     s: &SlotSettings,
@@ -172,28 +173,9 @@ async fn skip_handled(
         return (envs, pending);
     }
     let keys: Vec<dedup::Key> = asks.iter().map(|&i| dedup::Key::of(&envs[i])).collect();
-    let mut wait = Duration::from_millis(100);
-    let seen = loop {
-        match dedup::seen(store, &keys).await {
-            Ok(seen) => break seen,
-            Err(e) => {
-                p.stats.dedup_lookup_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    topology = %s.topology, slot = s.slot, messages = keys.len(), error = %format!("{e:#}"),
-                    retry_in = ?wait, "dedup lookup failed; the lane waits and asks again"
-                );
-                if cancel.is_cancelled() {
-                    release_run(p, pending).await;
-                    return (Vec::new(), Vec::new());
-                }
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(2));
-                if cancel.is_cancelled() {
-                    release_run(p, pending).await;
-                    return (Vec::new(), Vec::new());
-                }
-            }
-        }
+    let Some(seen) = lookup_all(p, s, cancel, store, &keys).await else {
+        release_run(p, pending).await;
+        return (Vec::new(), Vec::new());
     };
     let skip: std::collections::HashSet<usize> = asks
         .iter()
@@ -206,20 +188,12 @@ async fn skip_handled(
     let cx = p.slot(s);
     let mut kept = (Vec::with_capacity(envs.len()), Vec::with_capacity(envs.len()));
     for (i, (env, pend)) in envs.into_iter().zip(pending).enumerate() {
-        if !skip.contains(&i) {
+        if skip.contains(&i) {
+            acked_as_handled(&cx, &env, pend).await;
+        } else {
             kept.0.push(env);
             kept.1.push(pend);
-            continue;
         }
-        tracing::info!(
-            handler = pend.handler.name(), message_id = %env.id, group = env.group().unwrap_or(""),
-            attempt = env.attempt, "already handled (handler.dedup); acked without a call"
-        );
-        if let Err(e) = pend.acker.settle(Disposition::Ack).await {
-            cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(tag = pend.tag, error = %e, "ack of a deduplicated message failed; it may be delivered again");
-        }
-        cx.record(Some(&pend.handler), &env.id, Outcome::Deduplicated);
     }
     kept
 }
@@ -238,7 +212,7 @@ async fn release_run(p: &Pipeline, mut pending: Vec<Pending>) {
 /// Call `handle` for each item in order on one worker. `None` when the pool
 /// is gone (process shutting down): the deliveries are then neither acked
 /// nor captured, so the broker redelivers them.
-async fn call_each(
+pub(super) async fn call_each(
     p: &Pipeline,
     items: Vec<(Arc<HandlerVersion>, Envelope)>,
     cancel: Arc<Interrupt>,
@@ -268,10 +242,15 @@ pub(super) async fn run_lane(
     returning: Vec<String>,
 ) -> Parks {
     let (envs, pending) = admit_all(&p, &s, run).await;
-    let (envs, pending) = skip_handled(&p, &s, &cancel, envs, pending).await;
     if envs.is_empty() {
         return Parks::new();
     }
+    // `handler.dedup`: looked up and recorded message by message, around
+    // each call (see `dedup_calls`).
+    let dedup = p
+        .dedup
+        .clone()
+        .filter(|_| pending.iter().any(|x| x.handler.settings.dedup.is_some()));
     if let Some(i) = &s.inject_panic {
         i.fire(&envs);
     }
@@ -291,13 +270,24 @@ pub(super) async fn run_lane(
             Some((lane_key(e.tenant_id.as_deref(), group), record))
         })
         .collect();
-    let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
     let permits = admission(pending.iter().map(|x| &x.handler)).await;
-    let Some(outcomes) = call_each(&p, items, cancel).await else {
+    let mut cx = p.slot(&s);
+    let called = match dedup.as_deref() {
+        None => {
+            let items = pending.iter().map(|x| x.handler.clone()).zip(envs).collect();
+            call_each(&p, items, cancel).await.map(|outcomes| (outcomes, pending))
+        }
+        Some(store) => {
+            // Recorded already, call by call: settling only acks.
+            cx.sink.dedup = None;
+            call_with_dedup(&p, &s, &cancel, store, envs, pending).await
+        }
+    };
+    let Some((outcomes, pending)) = called else {
         return Parks::new();
     };
     drop(permits);
-    let unusual = settle_all(&p.slot(&s), outcomes, pending).await;
+    let unusual = settle_all(&cx, outcomes, pending).await;
     let outcome_of = |id: &str| unusual.iter().find(|(x, _)| x == id).map(|(_, o)| *o);
     let mut parks = Parks::new();
     for (key, record) in parkable {

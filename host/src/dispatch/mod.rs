@@ -30,6 +30,7 @@
 
 pub mod backoff;
 pub mod batch;
+mod dedup_calls;
 pub mod job;
 pub mod lane;
 pub mod runner;

@@ -39,6 +39,15 @@ fn shown(r: &crate::parked::Record, failures: u32) -> crate::observe::stats::Par
     }
 }
 
+/// Negative control for the drain tests, never for production: with this
+/// environment variable set to `1` a draining slot's jobs go on starting
+/// their next calls (the drain waits for whole jobs, as before issue 33).
+pub const NEGATIVE_CONTROL_DRAIN_STARTS_CALLS: &str = "WEIR_NEGATIVE_CONTROL_DRAIN_STARTS_CALLS";
+
+fn drain_starts_calls() -> bool {
+    std::env::var(NEGATIVE_CONTROL_DRAIN_STARTS_CALLS).is_ok_and(|v| v == "1")
+}
+
 enum Done {
     /// A job that panicked, with what it would have returned and the
     /// panic's message.
@@ -254,8 +263,25 @@ impl SlotRunner {
     /// the broker can hand them to the next owner in order; none is sent
     /// while the subscription could still take it back. A release is never
     /// a failure: it does not count as an attempt.
+    ///
+    /// From the moment the drain begins no call starts: the calls inside
+    /// guest code finish, and a job holding several messages releases the
+    /// ones it has not started yet ([`Interrupt::stop_starting`]).
     async fn drain(&mut self, sub: &mut dyn crate::transport::Subscription) {
         let mut collecting = sub.stop().await;
+        if drain_starts_calls() {
+            tracing::error!(
+                "{NEGATIVE_CONTROL_DRAIN_STARTS_CALLS}=1: a draining slot's jobs start their next calls \
+                 (a test's negative control; never in production)"
+            );
+        }
+        // What the jobs in flight release from here on (the messages they
+        // had not started) counts as held and not started, like the queues.
+        let released_by_jobs = self.s.counters.released();
+        if !drain_starts_calls() {
+            let running = self.cancel.stop_starting();
+            tracing::debug!(topology = %self.s.topology, slot = self.s.slot, running, "draining: no call starts any more");
+        }
         self.ready.clear();
         self.lingering.clear();
         let stats = self.p.stats.clone();
@@ -297,6 +323,7 @@ impl SlotRunner {
         self.queued = 0;
         self.held = 0;
         self.release(rest).await;
+        self.report.released += self.s.counters.released().saturating_sub(released_by_jobs);
     }
 
     /// Release `pending` one after another in arrival order.

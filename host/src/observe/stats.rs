@@ -94,6 +94,12 @@ impl OutcomeCounters {
         )
     }
 
+    /// Deliveries of this slot released to the broker by their jobs (not
+    /// started: a drain, a fence; or interrupted).
+    pub fn released(&self) -> u64 {
+        self.counts[outcome_index(Outcome::Released)].load(Ordering::Relaxed)
+    }
+
     /// (label, count) per outcome.
     pub fn snapshot(&self) -> [(&'static str, u64); OUTCOMES.len()] {
         std::array::from_fn(|i| (OUTCOMES[i], self.counts[i].load(Ordering::Relaxed)))

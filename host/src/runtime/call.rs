@@ -40,6 +40,25 @@ pub struct Fault {
     pub detail: String,
 }
 
+/// The detail of a call the host refused before it began (a fence, a drain).
+const NOT_STARTED: &str = "cancelled by the host before the call started";
+
+impl Fault {
+    /// A call the host refused before it began: its runner was fenced, or
+    /// is draining. Never a failure of the guest.
+    pub fn not_started() -> Self {
+        Self {
+            kind: FaultKind::Cancelled,
+            detail: NOT_STARTED.to_owned(),
+        }
+    }
+
+    /// Whether this is [`Fault::not_started`].
+    pub fn is_not_started(&self) -> bool {
+        self.kind == FaultKind::Cancelled && self.detail == NOT_STARTED
+    }
+}
+
 impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let what = match self.kind {

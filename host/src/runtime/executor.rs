@@ -301,7 +301,7 @@ impl Executor {
     ) -> CallOutcome {
         self.over_budget = false;
         let Ok(_entered) = enter(cancel) else {
-            return CallOutcome::Fault(cancelled_before_start());
+            return CallOutcome::Fault(Fault::not_started());
         };
         let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
@@ -380,7 +380,7 @@ impl Executor {
         };
         self.over_budget = false;
         let Ok(_entered) = enter(cancel) else {
-            return BatchOutcome::Fault(cancelled_before_start());
+            return BatchOutcome::Fault(Fault::not_started());
         };
         let mut inst = match self.instance(version, cancel) {
             Ok(i) => i,
@@ -545,14 +545,6 @@ fn enter(cancel: &Option<Arc<Interrupt>>) -> Result<Option<Entered<'_>>, ()> {
     match cancel {
         None => Ok(None),
         Some(i) => i.enter().map(Some).ok_or(()),
-    }
-}
-
-/// A call refused because its runner was fenced or stopped before it began.
-fn cancelled_before_start() -> Fault {
-    Fault {
-        kind: FaultKind::Cancelled,
-        detail: "cancelled by the host before the call started".to_owned(),
     }
 }
 

@@ -15,6 +15,12 @@
 //! thread in the idle class may not run for seconds, and the fence waits for
 //! it to notice the interrupt.
 //!
+//! A drain is gentler: [`Interrupt::stop_starting`] lets the calls inside
+//! guest code finish and refuses every call that has not entered yet (the
+//! rest of a job holding several messages), which the job then releases to
+//! the broker unstarted; so a drain lasts as long as the calls that were
+//! running when it began, and no longer.
+//!
 //! The two counters are ordered like Dekker's flags: a call counts itself in
 //! and then reads the flag, a fence sets the flag and then reads the count
 //! (both sequentially consistent), so either the call sees the cancel and
@@ -28,6 +34,9 @@ use tokio::sync::Notify;
 #[derive(Debug, Default)]
 pub struct Interrupt {
     cancelled: AtomicBool,
+    /// Set when the runner's drain began: no call may enter any more, the
+    /// running ones are not interrupted.
+    stopping: AtomicBool,
     /// Calls inside guest code (instantiation included).
     running: AtomicUsize,
     /// Told when `running` drops to zero.
@@ -88,17 +97,33 @@ impl Interrupt {
         }
     }
 
+    /// The runner drains: the calls inside guest code run on, no other call
+    /// may start (see the module docs). Returns how many calls were inside
+    /// guest code at that moment (ordered like a cancel: a call that enters
+    /// later is refused).
+    pub fn stop_starting(&self) -> usize {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Whether [`Interrupt::stop_starting`] or [`Interrupt::cancel`] was
+    /// called: a call that has not started must not start.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed) || self.is_cancelled()
+    }
+
     /// Whether [`Interrupt::cancel`] was called: read on every epoch tick.
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
     }
 
-    /// A call is about to run guest code: `None` once cancelled (it must
-    /// not start), else a guard that counts it as running until dropped.
+    /// A call is about to run guest code: `None` once cancelled or stopping
+    /// (it must not start), else a guard that counts it as running until
+    /// dropped.
     pub fn enter(&self) -> Option<Entered<'_>> {
         self.running.fetch_add(1, Ordering::SeqCst);
         let entered = Entered(self);
-        if self.cancelled.load(Ordering::SeqCst) {
+        if self.cancelled.load(Ordering::SeqCst) || self.stopping.load(Ordering::SeqCst) {
             drop(entered);
             return None;
         }
@@ -148,6 +173,20 @@ mod tests {
         i.cancel();
         assert!(i.enter().is_none(), "refused after the cancel");
         assert_eq!(i.running(), 1, "the refused call did not count");
+        drop(e);
+        assert_eq!(i.running(), 0);
+    }
+
+    /// A drain lets the running call finish (it is not interrupted) and
+    /// lets no other call start.
+    #[test]
+    fn stop_starting_lets_the_running_call_finish_and_none_start() {
+        let i = Interrupt::default();
+        let e = i.enter().expect("enters before the drain");
+        assert_eq!(i.stop_starting(), 1, "one call was running when the drain began");
+        assert!(!i.is_cancelled(), "the running call is not interrupted");
+        assert!(i.is_stopping());
+        assert!(i.enter().is_none(), "no call starts once the drain began");
         drop(e);
         assert_eq!(i.running(), 0);
     }

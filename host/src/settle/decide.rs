@@ -86,7 +86,7 @@ pub async fn settle_all(
 /// Record `keys` as handled (`handler.dedup`), before their acks. A write
 /// that fails is counted and logged, and the messages are acked all the
 /// same: holding them would not make the record land.
-async fn remember(cx: &Slot<'_>, store: &dyn dedup::Store, keys: Vec<(dedup::Key, Duration)>) {
+pub(crate) async fn remember(cx: &Slot<'_>, store: &dyn dedup::Store, keys: Vec<(dedup::Key, Duration)>) {
     if keys.is_empty() {
         return;
     }
@@ -156,6 +156,14 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
             result: Err(Failure::Retry(reason)),
             ..
         } => (reason, Reason::Exhausted),
+        CallOutcome::Fault(f) if f.is_not_started() && !cancel_fails() => {
+            // Refused before it began (a fence, a drain): no fault, no attempt.
+            tracing::debug!(handler = handler.name(), message_id = %env.id, "not started; released to the broker");
+            if let Err(e) = acker.settle(Disposition::Release).await {
+                tracing::warn!(tag, error = %e, "release of a message not started failed; the broker redelivers it");
+            }
+            return Outcome::Released;
+        }
         CallOutcome::Fault(f) => {
             cx.sink.stats.faults.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(handler = handler.name(), message_id = %env.id, attempt = env.attempt, fault = %f, "guest fault");

@@ -135,6 +135,10 @@ struct Args {
     /// PostgreSQL server URL without a database (loopback only).
     #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432")]
     pg_url: String,
+    /// `handler.dedup.window` of the soak handler (absent: no dedup), to
+    /// measure how many second calls the faults cost with and without it.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    dedup: Option<Duration>,
     /// A red baseline: `no-drain` gives slots up before their drain
     /// (`WEIR_NEGATIVE_CONTROL_NO_DRAIN=1`; on RabbitMQ also slot queues
     /// without single active consumer, which would hide it). Must report overlaps.
@@ -801,6 +805,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         slots: args.slots,
         prefetch: args.prefetch,
         max_deliver: args.max_deliver,
+        dedup: args.dedup,
         env,
         dir: dir.clone(),
     };
@@ -1104,7 +1109,11 @@ async fn soak(
         args.rate,
         args.groups,
         args.slots,
-        if args.negative_control.is_some() { ", NEGATIVE CONTROL no-drain" } else { "" }
+        match (args.negative_control.is_some(), args.dedup) {
+            (true, _) => ", NEGATIVE CONTROL no-drain".to_owned(),
+            (false, Some(w)) => format!(", dedup window {w:?}"),
+            (false, None) => String::new(),
+        }
     ));
     out.push_str(&format!("  published                      {}\n", v.published));
     out.push_str(&format!(

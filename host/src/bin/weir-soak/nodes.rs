@@ -48,6 +48,8 @@ pub struct Template {
     pub prefetch: u32,
     /// `topology.retry.max_deliver`.
     pub max_deliver: i64,
+    /// `handler.dedup.window` of the soak handler.
+    pub dedup: Option<Duration>,
     /// Extra environment of every process (negative controls).
     pub env: Vec<(String, String)>,
     /// Run directory.
@@ -90,7 +92,7 @@ topology = "{topology}"
 message_types = ["soak.call", "soak.interval"]
 limits = {{ timeout = "60s" }}
 config = {{ node = "{name}" }}
-"#,
+{dedup}"#,
             kind = self.kind,
             broker_url = self.broker_url.replace("{port}", &broker.to_string()),
             prefetch = self.prefetch,
@@ -99,6 +101,10 @@ config = {{ node = "{name}" }}
             slots = self.slots,
             max_deliver = self.max_deliver,
             component = self.component.display(),
+            dedup = self
+                .dedup
+                .map(|w| format!("dedup = {{ window = \"{}ms\" }}\n", w.as_millis()))
+                .unwrap_or_default(),
         )
     }
 }
