@@ -183,6 +183,13 @@ pub struct Stats {
     pub ack_failures: AtomicU64,
     /// Cascaded messages published.
     pub cascaded: AtomicU64,
+    /// Cascade publishes whose confirm did not come in time: they may have
+    /// landed (the cause is retried; the copy its rerun publishes carries the
+    /// same id).
+    pub cascades_uncertain: AtomicU64,
+    /// Cascades the broker recognised by id as a copy of one it already held
+    /// and dropped (JetStream's duplicate window).
+    pub cascades_duplicate: AtomicU64,
     /// Guest calls that trapped, timed out or were cancelled.
     pub faults: AtomicU64,
     /// Batches handed to `handle-batch`, by size bucket (index = [`size_bucket`]).
@@ -371,6 +378,8 @@ impl Stats {
             dedup_lookup_failures: g(&self.dedup_lookup_failures),
             ack_failures: g(&self.ack_failures),
             cascaded: g(&self.cascaded),
+            cascades_uncertain: g(&self.cascades_uncertain),
+            cascades_duplicate: g(&self.cascades_duplicate),
             faults: g(&self.faults),
             runner_panics: g(&self.runner_panics),
             batch_sizes: std::array::from_fn(|i| (BATCH_SIZE_BUCKETS[i], g(&self.batch_sizes[i]))),
@@ -409,6 +418,10 @@ pub struct Snapshot {
     pub ack_failures: u64,
     /// See [`Stats::cascaded`].
     pub cascaded: u64,
+    /// See [`Stats::cascades_uncertain`].
+    pub cascades_uncertain: u64,
+    /// See [`Stats::cascades_duplicate`].
+    pub cascades_duplicate: u64,
     /// See [`Stats::faults`].
     pub faults: u64,
     /// See [`Stats::runner_panics`].

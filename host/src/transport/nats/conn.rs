@@ -13,7 +13,11 @@ use super::floor::FloorMonitor;
 use super::wire::{headers_of, publish_err};
 use crate::envelope::Wire;
 use crate::transport::limits::Limits;
-use crate::transport::{ErrorKind, TopologySpec, TransportError, redact_url};
+use crate::transport::{ErrorKind, Landed, TopologySpec, TransportError, redact_url};
+
+/// JetStream's dedup header: a message whose id the stream saw within its
+/// duplicate window is acknowledged (`duplicate: true`) and not stored.
+pub(super) const NATS_MESSAGE_ID: &str = "Nats-Msg-Id";
 
 /// `messaging.system` of this transport.
 pub(super) const SYSTEM: &str = "nats";
@@ -62,6 +66,10 @@ pub struct NatsOptions {
     /// work and dead-letter streams, the failure-count bucket). Checked
     /// against the cluster's size before anything is created.
     pub replicas: usize,
+    /// Whether cascades carry their id as `Nats-Msg-Id` (the server drops a
+    /// rerun's copy within the stream's duplicate window). Always true but
+    /// in a test's negative control, which shows the copy landing twice.
+    pub cascade_msg_ids: bool,
 }
 
 impl Default for NatsOptions {
@@ -70,6 +78,7 @@ impl Default for NatsOptions {
             floor_poll: Duration::from_secs(5),
             floor_warn_after: None,
             replicas: 1,
+            cascade_msg_ids: true,
         }
     }
 }
@@ -204,15 +213,22 @@ impl Nats {
     /// it fits NATS's header rules and the server's `max_payload`
     /// ([`limits`]): with `fit` (dead letters) what does not is repaired and
     /// cut with a marker, otherwise it is an [`ErrorKind::Invalid`] error
-    /// naming the header.
+    /// naming the header. With `msg_id` the message carries it as
+    /// `Nats-Msg-Id` (replacing any such header it had), and a `PubAck` that
+    /// reports a duplicate is [`Landed::Duplicate`].
     pub(super) async fn publish_to(
         &self,
         subject: String,
         mut wire: Wire,
         target: &str,
         fit: bool,
-    ) -> Result<(), TransportError> {
+        msg_id: Option<&str>,
+    ) -> Result<Landed, TransportError> {
         let conn = self.conn().await?;
+        if let Some(id) = msg_id {
+            wire.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(NATS_MESSAGE_ID));
+            wire.headers.push((NATS_MESSAGE_ID.to_owned(), id.to_owned()));
+        }
         let limits = Limits::nats(conn.client.max_payload());
         if fit {
             for note in limits.fit(&mut wire) {
@@ -232,7 +248,11 @@ impl Nats {
             .publish_with_headers(subject, headers, Bytes::from(wire.body))
             .await
             .map_err(|e| publish_err(target, &e))?;
-        pending.await.map_err(|e| publish_err(target, &e))?;
-        Ok(())
+        let ack = pending.await.map_err(|e| publish_err(target, &e))?;
+        Ok(if ack.duplicate {
+            Landed::Duplicate
+        } else {
+            Landed::Stored
+        })
     }
 }

@@ -87,7 +87,9 @@ use async_trait::async_trait;
 pub use conn::{Nats, NatsOptions, connect};
 
 use crate::envelope::Wire;
-use crate::transport::{ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+use crate::transport::{
+    ErrorKind, Landed, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError,
+};
 use conn::{REQUEST_TIMEOUT, SYSTEM};
 use declare::{ingress_consumer_config, slot_consumer_config};
 use floor::FloorState;
@@ -154,18 +156,18 @@ impl Transport for Nats {
     }
 
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
-        let slots = self.inner.topologies.lock().get(topology).map(|t| t.slots);
-        if let Some(slots) = slots
-            && slot >= slots
-        {
-            return Err(TransportError::new(
-                ErrorKind::Invalid,
-                format!("slot {slot} does not exist in topology `{topology}` ({slots} slots)"),
-            ));
-        }
+        self.check_slot(topology, slot)?;
         let subject = names::slot_subject(topology, slot);
         let target = format!("subject {subject} (stream {})", names::stream(topology));
-        self.publish_to(subject, wire, &target, false).await
+        self.publish_to(subject, wire, &target, false, None).await.map(drop)
+    }
+
+    async fn publish_cascade(&self, topology: &str, slot: u32, wire: Wire, id: &str) -> Result<Landed, TransportError> {
+        self.check_slot(topology, slot)?;
+        let subject = names::slot_subject(topology, slot);
+        let target = format!("subject {subject} (stream {})", names::stream(topology));
+        let id = self.inner.options.cascade_msg_ids.then_some(id);
+        self.publish_to(subject, wire, &target, false, id).await
     }
 
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
@@ -174,7 +176,7 @@ impl Transport for Nats {
             "dead-letter subject {subject} (stream {})",
             names::dead_letter_stream(topology)
         );
-        self.publish_to(subject, wire, &target, true).await
+        self.publish_to(subject, wire, &target, true, None).await.map(drop)
     }
 
     async fn retry_facts(&self, topology: &str) -> Result<Option<RetryFacts>, TransportError> {
@@ -285,6 +287,20 @@ impl Transport for Nats {
     }
 }
 
+impl Nats {
+    /// An error naming the slot when `topology` is declared here without it.
+    fn check_slot(&self, topology: &str, slot: u32) -> Result<(), TransportError> {
+        let slots = self.inner.topologies.lock().get(topology).map(|t| t.slots);
+        match slots {
+            Some(slots) if slot >= slots => Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!("slot {slot} does not exist in topology `{topology}` ({slots} slots)"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -310,6 +326,35 @@ mod tests {
         assert_eq!(names::dead_letter_stream("orders"), "WEIR_orders_DLQ");
         // the work stream does not cover the dead-letter subject (module docs)
         assert!(!names::stream_subjects("orders").iter().any(|s| s.ends_with('>')));
+    }
+
+    /// The duplicate window covers the ladder up to the handler's last try,
+    /// plus a call's time per try; never below the server's default; capped
+    /// at `max_age` (the server refuses more).
+    #[test]
+    fn the_duplicate_window_covers_the_retry_ladder() {
+        use super::declare::duplicate_window;
+        let s = |secs: u64| Duration::from_secs(secs);
+        let mut spec = TopologySpec::new("t", 1);
+        // The default ladder (1 s, 5 s, 30 s; 5 deliveries, 4 for the
+        // handler): 1 + 5 + 30 s to the last try, plus 4 × 30 s.
+        assert_eq!(duplicate_window(&spec, Duration::ZERO), s(36 + 120));
+        spec.retry = RetryPolicy::new(vec![s(60), s(600)], 6);
+        // 60 + 600 + 600 + 600 s to the 5th delivery, plus 5 × 30 s.
+        assert_eq!(duplicate_window(&spec, Duration::ZERO), s(1860 + 150));
+        assert_eq!(duplicate_window(&spec, s(900)), s(900), "capped at max_age");
+        spec.retry = RetryPolicy::new(vec![s(1)], 2);
+        assert_eq!(
+            duplicate_window(&spec, Duration::ZERO),
+            s(120),
+            "never below the server's default"
+        );
+        spec.retry = RetryPolicy::new(vec![s(1)], 0);
+        assert_eq!(
+            duplicate_window(&spec, Duration::ZERO),
+            s(24 * 3600),
+            "unlimited deliveries"
+        );
     }
 
     #[test]
