@@ -264,6 +264,11 @@ impl Collector for Scrape {
                 s.cascades_duplicate,
             ),
             (
+                "trace_spans_dropped",
+                "Spans dropped because the export queue toward the trace collector was full (the collector slow or unreachable).",
+                crate::telemetry::queue::spans_dropped(),
+            ),
+            (
                 "guest_faults",
                 "Guest calls that trapped, timed out or were interrupted.",
                 s.faults,
