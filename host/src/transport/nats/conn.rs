@@ -22,9 +22,12 @@ pub(super) const NATS_MESSAGE_ID: &str = "Nats-Msg-Id";
 /// `messaging.system` of this transport.
 pub(super) const SYSTEM: &str = "nats";
 
-/// `AckWait` of the ingress consumer (forwarding is quick; the ticker keeps
-/// a slow one alive).
-pub(super) const INGRESS_ACK_WAIT: Duration = Duration::from_secs(30);
+/// `AckWait` of the ingress consumer: how long the ingress stalls when the
+/// node holding its one unacknowledged message dies (the server then hands
+/// it to another forwarder). Short, because a live forwarder keeps its hold
+/// with in-progress signals every quarter of it while a forward is in
+/// flight (module docs, "Ingress").
+pub const INGRESS_ACK_WAIT: Duration = Duration::from_secs(5);
 /// Expiry of one pull request. Short, because a drain waits for the open
 /// request to end before it releases anything (module docs, "Pulling"); the
 /// server's answer at expiry (408) is also the sign of life of an idle
@@ -70,6 +73,9 @@ pub struct NatsOptions {
     /// rerun's copy within the stream's duplicate window). Always true but
     /// in a test's negative control, which shows the copy landing twice.
     pub cascade_msg_ids: bool,
+    /// `AckWait` of the ingress consumer ([`INGRESS_ACK_WAIT`]); another
+    /// value only in a test's negative control (the old 30 s).
+    pub ingress_ack_wait: Duration,
 }
 
 impl Default for NatsOptions {
@@ -79,6 +85,7 @@ impl Default for NatsOptions {
             floor_warn_after: None,
             replicas: 1,
             cascade_msg_ids: true,
+            ingress_ack_wait: INGRESS_ACK_WAIT,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, ErrorCode, kv, stream};
 
-use super::conn::{ATTEMPTS_MIN_AGE, Conn, INGRESS_ACK_WAIT, Nats, SYSTEM};
+use super::conn::{ATTEMPTS_MIN_AGE, Conn, Nats, SYSTEM};
 use super::names;
 use super::wire::{is_not_found, is_stream_not_found, js_code};
 use crate::retry::schedule::{NATS_DEFAULT_ACK_WAIT, Redelivery};
@@ -72,16 +72,18 @@ pub(super) fn duplicate_window(spec: &TopologySpec, max_age: Duration) -> Durati
 }
 
 /// The desired config of the ingress consumer: one unacknowledged message at
-/// a time, whichever node holds it, so forwarding keeps the order (module
-/// docs, "Ingress").
-pub(super) fn ingress_consumer_config(topology: &str) -> pull::Config {
+/// a time, whichever node holds it, so forwarding keeps the order, and a
+/// short `AckWait` kept alive by in-progress signals while a forward is in
+/// flight, so a forwarder that dies stalls the ingress for `ack_wait` only
+/// (module docs, "Ingress").
+pub(super) fn ingress_consumer_config(topology: &str, ack_wait: Duration) -> pull::Config {
     pull::Config {
         durable_name: Some(names::ingress_consumer(topology)),
         description: Some(format!("weir: ingress of topology {topology}, forwarded to the slots")),
         filter_subject: names::ingress(topology),
         deliver_policy: DeliverPolicy::All,
         ack_policy: AckPolicy::Explicit,
-        ack_wait: INGRESS_ACK_WAIT,
+        ack_wait,
         max_deliver: -1,
         max_ack_pending: 1,
         ..pull::Config::default()

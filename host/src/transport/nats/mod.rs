@@ -70,7 +70,12 @@
 //! ingress message at a time (`MaxAckPending` 1), the next is handed out only
 //! after the previous one's forward was confirmed and acked, so forwarders on
 //! several nodes keep the order of every group (a redelivery after `AckWait`
-//! may still reorder, as any redelivery may).
+//! may still reorder, as any redelivery may). That one message stalls every
+//! forwarder while its holder lives, so its `AckWait` is short
+//! ([`conn::INGRESS_ACK_WAIT`], 5 s) and the holder keeps it with `+WPI`
+//! every quarter of it while the forward is in flight: a node that dies
+//! holding it (kill -9) stalls the ingress for 5 s, not the 30 s of the
+//! slot consumers' default.
 
 pub mod acker;
 pub mod conn;
@@ -151,7 +156,7 @@ impl Transport for Nats {
     ) -> Result<Option<Box<dyn Subscription>>, TransportError> {
         let spec = self.spec(topology)?;
         let _ = prefetch;
-        let desired = ingress_consumer_config(topology);
+        let desired = ingress_consumer_config(topology, self.inner.options.ingress_ack_wait);
         self.subscribe_consumer(&spec, desired, None, 1).await.map(Some)
     }
 
