@@ -41,6 +41,8 @@ struct Got {
     name: String,
     attributes: BTreeMap<String, String>,
     service: String,
+    /// Its W3C trace state.
+    state: String,
 }
 
 /// An OTLP/HTTP (protobuf) receiver on `port`: every span exported to
@@ -81,6 +83,7 @@ fn receiver(port: u16) -> Arc<Mutex<Vec<Got>>> {
                                         .map(|kv| (kv.key.clone(), text(kv.value.as_ref())))
                                         .collect(),
                                     service: service.clone(),
+                                    state: s.trace_state.clone(),
                                 });
                             }
                         }
@@ -397,4 +400,88 @@ fn a_bad_telemetry_table_stops_the_start_naming_the_key() {
         };
         assert!(err.contains(key), "{table:?}: {err}");
     }
+}
+
+/// Issue 33, item 5: attribute values a publisher controls (its message id,
+/// group id and type, each up to the 4 096 bytes the admin API takes) reach
+/// the collector cut to 256 bytes, and its trace state to the W3C limits.
+/// Before the bound they were exported verbatim.
+#[test]
+fn a_publishers_oversized_values_are_cut_in_the_export() {
+    let otlp = free_port();
+    let spans = receiver(otlp);
+    let admin = free_port();
+    let config = format!(
+        r#"
+[node]
+name = "traced-big"
+admin = "127.0.0.1:{admin}"
+admin_token = "{TOKEN}"
+[telemetry]
+endpoint = "http://127.0.0.1:{otlp}"
+[[topology]]
+name = "traced"
+slots = 1
+[[handler]]
+name = "faulty"
+component = "{component}"
+topology = "traced"
+message_types = ["publish", "ok"]
+"#,
+        component = weir::node::bundled::FAULTY_PATH,
+    );
+    let mut cluster = Cluster::default();
+    let node = cluster.start("traced-big", &config);
+    let big = |c: &str| c.repeat(4000);
+    let members: Vec<String> = (0..36).map(|i| format!("k{i}={}", "v".repeat(100))).collect();
+    let body = serde_json::json!({
+        "type": "publish",
+        "group": big("g"),
+        "id": big("i"),
+        "payload": "x",
+        "headers": {
+            "traceparent": format!("00-{TRACE_ID}-{PUBLISHER_SPAN}-01"),
+            "tracestate": members.join(","),
+        },
+    });
+    let (status, answer) = call(
+        "POST",
+        admin,
+        "/v1/topologies/traced/messages",
+        Some(TOKEN),
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let start = Instant::now();
+    while cluster.report().handled().len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "not handled; log:\n{}",
+            cluster.nodes[node].log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cluster.nodes[node].terminate(Duration::from_secs(30));
+    let got = spans.lock().unwrap().clone();
+    assert!(got.iter().any(|s| s.name == "weir.receive"), "no spans: {got:?}");
+    for s in &got {
+        for (k, v) in &s.attributes {
+            assert!(v.len() <= 256, "{} {k} is {} bytes", s.name, v.len());
+        }
+        assert!(
+            s.state.len() <= 512,
+            "{}'s trace state is {} bytes",
+            s.name,
+            s.state.len()
+        );
+    }
+    assert!(
+        got.iter().any(|s| s.state.starts_with("k0=")),
+        "the publisher's trace state is carried (cut)"
+    );
+    let group = got
+        .iter()
+        .find_map(|s| s.attributes.get("weir.group"))
+        .expect("a span names the group");
+    assert!(group.starts_with("ggg") && group.ends_with('…'), "{group}");
 }

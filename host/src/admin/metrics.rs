@@ -254,6 +254,21 @@ impl Collector for Scrape {
             ),
             ("cascaded", "Messages published by handlers, confirmed.", s.cascaded),
             (
+                "cascades_uncertain",
+                "Cascade publishes whose confirm did not come in time (they may have landed; the cause is retried).",
+                s.cascades_uncertain,
+            ),
+            (
+                "cascades_duplicate",
+                "Cascades the broker dropped as copies of ones it already held (a rerun after a lost confirm).",
+                s.cascades_duplicate,
+            ),
+            (
+                "trace_spans_dropped",
+                "Spans dropped because the export queue toward the trace collector was full (the collector slow or unreachable).",
+                crate::telemetry::queue::spans_dropped(),
+            ),
+            (
                 "guest_faults",
                 "Guest calls that trapped, timed out or were interrupted.",
                 s.faults,

@@ -16,7 +16,7 @@ use crate::router::PinError;
 use crate::runtime::{BatchOutcome, CallOutcome, FaultKind, HandlerVersion, Interrupt};
 use crate::settle::Pending;
 use crate::settle::capture::capture_envelope;
-use crate::settle::cascades::publish_cascades;
+use crate::settle::cascades::{failure_text, publish_cascades};
 use crate::settle::decide::settle_all;
 use crate::transport::{Delivery, Disposition};
 
@@ -423,7 +423,10 @@ async fn batch_outcomes(
                 .map(|(env, (result, published))| {
                     let done = match (result, &cascade_error) {
                         (Ok(()), Some(e)) => CallOutcome::Done {
-                            result: Err(Failure::Retry(format!("cascaded publish of its batch failed: {e}"))),
+                            result: Err(Failure::Retry(format!(
+                                "{} (a cascade of its whole batch)",
+                                failure_text(e)
+                            ))),
                             published: Vec::new(),
                         },
                         (result, _) => CallOutcome::Done { result, published },

@@ -235,6 +235,13 @@ pub struct Stats {
     pub ack_failures: AtomicU64,
     /// Cascaded messages published.
     pub cascaded: AtomicU64,
+    /// Cascade publishes whose confirm did not come in time: they may have
+    /// landed (the cause is retried; the copy its rerun publishes carries the
+    /// same id).
+    pub cascades_uncertain: AtomicU64,
+    /// Cascades the broker recognised by id as a copy of one it already held
+    /// and dropped (JetStream's duplicate window).
+    pub cascades_duplicate: AtomicU64,
     /// Guest calls that trapped, timed out or were cancelled.
     pub faults: AtomicU64,
     /// Deliveries whose `weir-*` headers carried no valid seal: moved under
@@ -426,6 +433,8 @@ impl Stats {
             dedup_lookup_failures: g(&self.dedup_lookup_failures),
             ack_failures: g(&self.ack_failures),
             cascaded: g(&self.cascaded),
+            cascades_uncertain: g(&self.cascades_uncertain),
+            cascades_duplicate: g(&self.cascades_duplicate),
             faults: g(&self.faults),
             untrusted_headers: g(&self.untrusted_headers),
             runner_panics: g(&self.runner_panics),
@@ -465,6 +474,10 @@ pub struct Snapshot {
     pub ack_failures: u64,
     /// See [`Stats::cascaded`].
     pub cascaded: u64,
+    /// See [`Stats::cascades_uncertain`].
+    pub cascades_uncertain: u64,
+    /// See [`Stats::cascades_duplicate`].
+    pub cascades_duplicate: u64,
     /// See [`Stats::faults`].
     pub faults: u64,
     /// See [`Stats::untrusted_headers`].

@@ -144,7 +144,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
                 }
                 return Outcome::Handled;
             }
-            Err(e) => (format!("cascaded publish failed: {e}"), Reason::Exhausted),
+            Err(e) => (super::cascades::failure_text(&e), Reason::Exhausted),
         },
         CallOutcome::Done {
             result: Err(Failure::Reject(reason)),

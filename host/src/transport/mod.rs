@@ -291,6 +291,16 @@ pub struct RetryFacts {
     pub ack_wait: Option<Duration>,
 }
 
+/// What the broker did with a confirmed cascade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landed {
+    /// Stored: a new message.
+    Stored,
+    /// Recognised by its id as a copy of one the broker already holds (an
+    /// earlier attempt's publish whose confirm was lost) and dropped.
+    Duplicate,
+}
+
 /// A message broker.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
@@ -323,6 +333,17 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Publish to a slot and wait for the broker's confirm.
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError>;
+
+    /// Publish a cascade to a slot, as [`Transport::publish`], under `id`
+    /// (its deterministic cascade id) in the broker's own dedup field where
+    /// it has one: JetStream's `Nats-Msg-Id`, so the copy a rerun publishes
+    /// after a lost confirm is dropped by the server. Brokers without one
+    /// publish plainly ([`Landed::Stored`]); consumers deduplicate by
+    /// `weir-message-id` (`handler.dedup`).
+    async fn publish_cascade(&self, topology: &str, slot: u32, wire: Wire, id: &str) -> Result<Landed, TransportError> {
+        let _ = id;
+        self.publish(topology, slot, wire).await.map(|()| Landed::Stored)
+    }
 
     /// Publish to the dead-letter destination and wait for the confirm.
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError>;
@@ -386,6 +407,19 @@ pub async fn publish_to_slot(
 ) -> Result<(), TransportError> {
     transport
         .publish(topology, slot_of(env, slots), envelope::encode(env))
+        .await
+}
+
+/// [`publish_to_slot`] for a handler's cascade: under its id in the broker's
+/// dedup field ([`Transport::publish_cascade`]).
+pub async fn publish_cascade_to_slot(
+    transport: &dyn Transport,
+    topology: &str,
+    slots: u32,
+    env: &Envelope,
+) -> Result<Landed, TransportError> {
+    transport
+        .publish_cascade(topology, slot_of(env, slots), envelope::encode(env), &env.id)
         .await
 }
 

@@ -62,6 +62,11 @@ impl NodeProc {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Its process id (the node was started and not yet reaped).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the node runs").id()
+    }
+
     /// True while the process runs.
     pub fn alive(&mut self) -> bool {
         self.child.as_mut().is_some_and(|c| c.try_wait().unwrap().is_none())

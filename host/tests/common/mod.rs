@@ -9,6 +9,7 @@ pub mod compliance;
 pub mod devloop;
 pub mod http;
 pub mod nats;
+pub mod nats_proxy;
 pub mod nats_servers;
 pub mod pg;
 pub mod rabbit;

@@ -149,6 +149,61 @@ impl Broker {
         }
     }
 
+    /// Publish `body` with `headers` to the ingress of `topology` (RabbitMQ:
+    /// the default exchange with the ingress queue's name; NATS: the ingress
+    /// subject) and wait for the confirm. A node forwards it to its slot.
+    pub async fn publish_ingress(&self, topology: &str, headers: &[(&str, &str)], body: &[u8]) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit { publisher, .. } => {
+                let mut table = FieldTable::default();
+                for (k, v) in headers {
+                    table.insert(ShortString::from(*k), AMQPValue::LongString((*v).into()));
+                }
+                let props = BasicProperties::default().with_delivery_mode(2).with_headers(table);
+                let queue = rabbitmq::names::ingress(topology);
+                let confirm = publisher
+                    .basic_publish(
+                        "".into(),
+                        queue.as_str().into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        body,
+                        props,
+                    )
+                    .await
+                    .with_context(|| format!("publishing to {queue}"))?
+                    .await
+                    .with_context(|| format!("the confirm of a publish to {queue}"))?;
+                match confirm {
+                    Confirmation::Ack(None) => Ok(()),
+                    Confirmation::Ack(Some(r)) => {
+                        anyhow::bail!("{queue} is unroutable: {} {}", r.reply_code, r.reply_text)
+                    }
+                    Confirmation::Nack(_) => anyhow::bail!("the broker nacked a publish to {queue}"),
+                    Confirmation::NotRequested => anyhow::bail!("publish to {queue} was not confirmed"),
+                }
+            }
+            Self::Nats { js, .. } => {
+                let mut h = async_nats::HeaderMap::new();
+                for (k, v) in headers {
+                    h.append(*k, *v);
+                }
+                let subject = nats_names::ingress(topology);
+                let ack = js
+                    .publish_with_headers(subject.clone(), h, bytes::Bytes::copy_from_slice(body))
+                    .await
+                    .with_context(|| format!("publishing to {subject}"))?;
+                tokio::time::timeout(Duration::from_secs(10), ack)
+                    .await
+                    .with_context(|| format!("no PubAck for {subject} within 10s"))?
+                    .with_context(|| format!("the PubAck of a publish to {subject}"))?;
+                Ok(())
+            }
+        }
+    }
+
     /// Start seeing every message published to a slot of `topology`;
     /// records them in `ledger`. The task ends when the connection does.
     pub async fn observe(

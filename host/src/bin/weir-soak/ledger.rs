@@ -72,6 +72,9 @@ pub struct Published {
     /// Faults that may legitimately spend one of its deliveries (kill -9,
     /// broker cut, fence) while it was outstanding.
     pub exposure: u32,
+    /// Wall clock when it was published (just before the publish), ns since
+    /// the epoch, as the guest's interval reports.
+    pub at: u128,
 }
 
 /// A dead letter of a soak message.
@@ -226,6 +229,17 @@ impl Ledger {
             *reasons.entry(d.reason.clone()).or_default() += 1;
         }
         let unconfirmed_handled = self.unconfirmed.iter().filter(|id| self.handled.contains(*id)).count();
+        let mut first: HashMap<&str, u128> = HashMap::new();
+        for i in &self.intervals {
+            let e = first.entry(i.id.as_str()).or_insert(i.start);
+            *e = (*e).min(i.start);
+        }
+        let latency = Latency::of(
+            self.published
+                .iter()
+                .filter_map(|(id, p)| first.get(id.as_str()).map(|s| s.saturating_sub(p.at)))
+                .collect(),
+        );
         Verdict {
             published: self.published.len(),
             handled: self.published.keys().filter(|id| self.handled.contains(*id)).count(),
@@ -239,6 +253,7 @@ impl Ledger {
             unconfirmed: self.unconfirmed.len(),
             unconfirmed_handled,
             malformed: self.malformed,
+            latency,
         }
     }
 }
@@ -279,6 +294,41 @@ pub struct Verdict {
     pub unconfirmed_handled: usize,
     /// Interval reports that did not parse.
     pub malformed: u64,
+    /// Publish → first call start, over the handled messages.
+    pub latency: Option<Latency>,
+}
+
+/// A distribution of publish → first call start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Latency {
+    /// Messages measured.
+    pub count: usize,
+    /// Median, seconds.
+    pub p50: f64,
+    /// 99th percentile, seconds.
+    pub p99: f64,
+    /// Longest, seconds.
+    pub max: f64,
+}
+
+impl Latency {
+    /// The distribution of `ns` (nanoseconds); `None` when empty.
+    pub fn of(mut ns: Vec<u128>) -> Option<Self> {
+        if ns.is_empty() {
+            return None;
+        }
+        ns.sort_unstable();
+        let at = |q: f64| {
+            let i = ((ns.len() as f64 * q).ceil() as usize).clamp(1, ns.len()) - 1;
+            ns[i] as f64 / 1e9
+        };
+        Some(Self {
+            count: ns.len(),
+            p50: at(0.5),
+            p99: at(0.99),
+            max: at(1.0),
+        })
+    }
 }
 
 impl Overlap {
@@ -358,6 +408,7 @@ mod tests {
                     ms: 1,
                     slot: 0,
                     exposure: 0,
+                    at: 0,
                 },
             );
         }
@@ -372,5 +423,14 @@ mod tests {
         assert_eq!(v.duplicates, 1);
         assert_eq!(v.handled, 1);
         assert_eq!(v.dead_reasons.get("exhausted"), Some(&1));
+        // "a" was published at 0 and first called at 0.
+        assert_eq!(v.latency.map(|l| (l.count, l.max)), Some((1, 0.0)));
+    }
+
+    #[test]
+    fn latency_percentiles() {
+        let l = Latency::of((1..=100u128).map(|s| s * 1_000_000_000).collect()).unwrap();
+        assert_eq!((l.count, l.p50, l.p99, l.max), (100, 50.0, 99.0, 100.0));
+        assert!(Latency::of(Vec::new()).is_none());
     }
 }

@@ -114,6 +114,10 @@ struct Args {
     /// Longest wait after the last publish for every message to be handled or dead-lettered.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     quiet: Duration,
+    /// Publish to the topology's ingress (the nodes forward each message to
+    /// its slot) instead of straight to the slots.
+    #[arg(long)]
+    ingress: bool,
     /// Progress line period on stderr.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     progress: Duration,
@@ -590,6 +594,7 @@ async fn publish_loop(
     rate: f64,
     calls: Calls,
     seed: u64,
+    ingress: bool,
     stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x005e_ed0f_9ab1_15e5);
@@ -620,9 +625,18 @@ async fn publish_loop(
             ("weir-tenant-id", tenant.as_str()),
             ("weir-attempt", "1"),
         ];
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
         let mut confirmed = false;
         for _ in 0..5 {
-            if broker.publish(&topology, slot, &headers, body.as_bytes()).await.is_ok() {
+            let sent = if ingress {
+                broker.publish_ingress(&topology, &headers, body.as_bytes()).await
+            } else {
+                broker.publish(&topology, slot, &headers, body.as_bytes()).await
+            };
+            if sent.is_ok() {
                 confirmed = true;
                 break;
             }
@@ -637,6 +651,7 @@ async fn publish_loop(
                     ms,
                     slot,
                     exposure: 0,
+                    at,
                 },
             );
         } else {
@@ -975,6 +990,7 @@ async fn soak(
             sleep: args.sleep_calls,
         },
         seed,
+        args.ingress,
         pub_stop_rx,
     ));
     let progress = {
@@ -1100,7 +1116,7 @@ async fn soak(
     let faults: Vec<String> = chaos.counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
     let mut out = String::new();
     out.push_str(&format!(
-        "weir-soak summary: broker {}, cluster {}, seed {seed}, {:?} of faults, {} nodes at the start, lease {:?}, rate {}/s, {} groups, {} slots{}\n",
+        "weir-soak summary: broker {}, cluster {}, seed {seed}, {:?} of faults, {} nodes at the start, lease {:?}, rate {}/s, {} groups, {} slots, published to the {}{}\n",
         template_kind(args.broker),
         args.cluster.name(),
         args.duration,
@@ -1109,6 +1125,7 @@ async fn soak(
         args.rate,
         args.groups,
         args.slots,
+        if args.ingress { "ingress" } else { "slots" },
         match (args.negative_control.is_some(), args.dedup) {
             (true, _) => ", NEGATIVE CONTROL no-drain".to_owned(),
             (false, Some(w)) => format!(", dedup window {w:?}"),
@@ -1120,6 +1137,12 @@ async fn soak(
         "  handled                        {} ({} successful calls)\n",
         v.handled, v.calls
     ));
+    if let Some(l) = v.latency {
+        out.push_str(&format!(
+            "  publish -> first call          p50 {:.3}s, p99 {:.3}s, max {:.3}s ({} messages)\n",
+            l.p50, l.p99, l.max, l.count
+        ));
+    }
     out.push_str(&format!("  lost                           {}\n", v.lost.len()));
     out.push_str(&format!("  intra-group overlaps           {}\n", v.overlaps.len()));
     out.push_str(&format!(
@@ -1201,6 +1224,10 @@ async fn soak(
         "seed": seed,
         "duration_s": args.duration.as_secs_f64(),
         "negative_control": args.negative_control.is_some(),
+        "ingress": args.ingress,
+        "first_call_p50_s": v.latency.map(|l| l.p50),
+        "first_call_p99_s": v.latency.map(|l| l.p99),
+        "first_call_max_s": v.latency.map(|l| l.max),
         "published": v.published,
         "handled": v.handled,
         "lost": v.lost.len(),

@@ -13,14 +13,21 @@ use super::floor::FloorMonitor;
 use super::wire::{headers_of, publish_err};
 use crate::envelope::Wire;
 use crate::transport::limits::Limits;
-use crate::transport::{ErrorKind, TopologySpec, TransportError, redact_url};
+use crate::transport::{ErrorKind, Landed, TopologySpec, TransportError, redact_url};
+
+/// JetStream's dedup header: a message whose id the stream saw within its
+/// duplicate window is acknowledged (`duplicate: true`) and not stored.
+pub(super) const NATS_MESSAGE_ID: &str = "Nats-Msg-Id";
 
 /// `messaging.system` of this transport.
 pub(super) const SYSTEM: &str = "nats";
 
-/// `AckWait` of the ingress consumer (forwarding is quick; the ticker keeps
-/// a slow one alive).
-pub(super) const INGRESS_ACK_WAIT: Duration = Duration::from_secs(30);
+/// `AckWait` of the ingress consumer: how long the ingress stalls when the
+/// node holding its one unacknowledged message dies (the server then hands
+/// it to another forwarder). Short, because a live forwarder keeps its hold
+/// with in-progress signals every quarter of it while a forward is in
+/// flight (module docs, "Ingress").
+pub const INGRESS_ACK_WAIT: Duration = Duration::from_secs(5);
 /// Expiry of one pull request. Short, because a drain waits for the open
 /// request to end before it releases anything (module docs, "Pulling"); the
 /// server's answer at expiry (408) is also the sign of life of an idle
@@ -62,6 +69,13 @@ pub struct NatsOptions {
     /// work and dead-letter streams, the failure-count bucket). Checked
     /// against the cluster's size before anything is created.
     pub replicas: usize,
+    /// Whether cascades carry their id as `Nats-Msg-Id` (the server drops a
+    /// rerun's copy within the stream's duplicate window). Always true but
+    /// in a test's negative control, which shows the copy landing twice.
+    pub cascade_msg_ids: bool,
+    /// `AckWait` of the ingress consumer ([`INGRESS_ACK_WAIT`]); another
+    /// value only in a test's negative control (the old 30 s).
+    pub ingress_ack_wait: Duration,
 }
 
 impl Default for NatsOptions {
@@ -70,6 +84,8 @@ impl Default for NatsOptions {
             floor_poll: Duration::from_secs(5),
             floor_warn_after: None,
             replicas: 1,
+            cascade_msg_ids: true,
+            ingress_ack_wait: INGRESS_ACK_WAIT,
         }
     }
 }
@@ -204,15 +220,22 @@ impl Nats {
     /// it fits NATS's header rules and the server's `max_payload`
     /// ([`limits`]): with `fit` (dead letters) what does not is repaired and
     /// cut with a marker, otherwise it is an [`ErrorKind::Invalid`] error
-    /// naming the header.
+    /// naming the header. With `msg_id` the message carries it as
+    /// `Nats-Msg-Id` (replacing any such header it had), and a `PubAck` that
+    /// reports a duplicate is [`Landed::Duplicate`].
     pub(super) async fn publish_to(
         &self,
         subject: String,
         mut wire: Wire,
         target: &str,
         fit: bool,
-    ) -> Result<(), TransportError> {
+        msg_id: Option<&str>,
+    ) -> Result<Landed, TransportError> {
         let conn = self.conn().await?;
+        if let Some(id) = msg_id {
+            wire.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(NATS_MESSAGE_ID));
+            wire.headers.push((NATS_MESSAGE_ID.to_owned(), id.to_owned()));
+        }
         let limits = Limits::nats(conn.client.max_payload());
         if fit {
             for note in limits.fit(&mut wire) {
@@ -232,7 +255,11 @@ impl Nats {
             .publish_with_headers(subject, headers, Bytes::from(wire.body))
             .await
             .map_err(|e| publish_err(target, &e))?;
-        pending.await.map_err(|e| publish_err(target, &e))?;
-        Ok(())
+        let ack = pending.await.map_err(|e| publish_err(target, &e))?;
+        Ok(if ack.duplicate {
+            Landed::Duplicate
+        } else {
+            Landed::Stored
+        })
     }
 }

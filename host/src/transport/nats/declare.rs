@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, ErrorCode, kv, stream};
 
-use super::conn::{ATTEMPTS_MIN_AGE, Conn, INGRESS_ACK_WAIT, Nats, SYSTEM};
+use super::conn::{ATTEMPTS_MIN_AGE, Conn, Nats, SYSTEM};
 use super::names;
 use super::wire::{is_not_found, is_stream_not_found, js_code};
 use crate::retry::schedule::{NATS_DEFAULT_ACK_WAIT, Redelivery};
@@ -42,17 +42,48 @@ pub(super) fn attempts_max_age(spec: &TopologySpec) -> Duration {
         .map_or(ATTEMPTS_MIN_AGE, |r| r.saturating_mul(2).max(ATTEMPTS_MIN_AGE))
 }
 
+/// The server's duplicate window when a stream names none (nats-server's
+/// `StreamDefaultDuplicatesWindow`).
+pub(super) const SERVER_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+/// Time allowed per handler delivery, beside the ladder's delays, in the
+/// duplicate window: a call and the confirms of its cascades (each publish
+/// waits at most 5 s for its `PubAck`).
+pub(super) const DUPLICATE_PER_ATTEMPT: Duration = Duration::from_secs(30);
+/// The window when `max_deliver` is unlimited (no last try to cover).
+pub(super) const DUPLICATE_WINDOW_UNLIMITED: Duration = Duration::from_secs(24 * 3600);
+
+/// The work stream's duplicate window: how long the server remembers a
+/// cascade's `Nats-Msg-Id` (its deterministic cascade id) to drop the copy a
+/// retry of its cause publishes after a lost `PubAck`. It covers the retry
+/// ladder: from the first delivery to the handler's last try
+/// ([`crate::retry::schedule::Schedule::time_to_dead_letter`]) plus
+/// [`DUPLICATE_PER_ATTEMPT`] per handler delivery, at least the server's
+/// default; [`DUPLICATE_WINDOW_UNLIMITED`] when `max_deliver` is unlimited.
+/// nats-server refuses a window longer than the stream's `max_age` ("duplicates
+/// window can not be larger then max age"), so it is capped there.
+pub(super) fn duplicate_window(spec: &TopologySpec, max_age: Duration) -> Duration {
+    let schedule = spec.retry.schedule(Redelivery::JETSTREAM);
+    let window = match (schedule.time_to_dead_letter(), schedule.handler_deliveries()) {
+        (Some(ladder), Some(tries)) => ladder.saturating_add(DUPLICATE_PER_ATTEMPT.saturating_mul(tries)),
+        _ => DUPLICATE_WINDOW_UNLIMITED,
+    };
+    let window = window.max(SERVER_DUPLICATE_WINDOW);
+    if max_age.is_zero() { window } else { window.min(max_age) }
+}
+
 /// The desired config of the ingress consumer: one unacknowledged message at
-/// a time, whichever node holds it, so forwarding keeps the order (module
-/// docs, "Ingress").
-pub(super) fn ingress_consumer_config(topology: &str) -> pull::Config {
+/// a time, whichever node holds it, so forwarding keeps the order, and a
+/// short `AckWait` kept alive by in-progress signals while a forward is in
+/// flight, so a forwarder that dies stalls the ingress for `ack_wait` only
+/// (module docs, "Ingress").
+pub(super) fn ingress_consumer_config(topology: &str, ack_wait: Duration) -> pull::Config {
     pull::Config {
         durable_name: Some(names::ingress_consumer(topology)),
         description: Some(format!("weir: ingress of topology {topology}, forwarded to the slots")),
         filter_subject: names::ingress(topology),
         deliver_policy: DeliverPolicy::All,
         ack_policy: AckPolicy::Explicit,
-        ack_wait: INGRESS_ACK_WAIT,
+        ack_wait,
         max_deliver: -1,
         max_ack_pending: 1,
         ..pull::Config::default()
@@ -102,12 +133,15 @@ pub(super) fn default_warn_after(spec: &TopologySpec) -> Duration {
 impl Nats {
     /// Create the stream `name` over `subjects`, or narrow/widen an existing
     /// one to exactly those subjects (its other settings, such as `max_age`,
-    /// are the operator's and are kept).
+    /// are the operator's and are kept). With `dedup` (the work stream's
+    /// topology) its duplicate window is [`duplicate_window`], set on an
+    /// existing stream too (the old and new values logged).
     pub(super) async fn ensure_stream(
         &self,
         conn: &Conn,
         name: &str,
         subjects: Vec<String>,
+        dedup: Option<&TopologySpec>,
     ) -> Result<(), TransportError> {
         match conn.js.get_stream(name).await {
             Ok(stream) => {
@@ -127,26 +161,48 @@ impl Nats {
                 let mut want = subjects.clone();
                 have.sort();
                 want.sort();
-                if have != want {
+                let window = dedup.map(|spec| duplicate_window(spec, info.config.max_age));
+                let old_window = info.config.duplicate_window;
+                let new_window = window.filter(|w| *w != old_window);
+                if have != want || new_window.is_some() {
                     let mut config = info.config.clone();
                     config.subjects = subjects.clone();
+                    if let Some(w) = new_window {
+                        config.duplicate_window = w;
+                    }
                     conn.js.update_stream(config).await.map_err(|e| {
                         TransportError::new(
                             ErrorKind::Refused,
-                            format!("updating the subjects of stream {name} from {have:?} to {want:?}: {e}"),
+                            format!(
+                                "updating stream {name} (subjects {have:?} to {want:?}, duplicate window {} to {}): {e}",
+                                humantime::format_duration(old_window),
+                                humantime::format_duration(window.unwrap_or(old_window)),
+                            ),
                         )
                     })?;
-                    tracing::warn!(messaging.system = SYSTEM, stream = name, old = ?have, new = ?want, "stream subjects updated");
+                    if have != want {
+                        tracing::warn!(messaging.system = SYSTEM, stream = name, old = ?have, new = ?want, "stream subjects updated");
+                    }
+                    if let Some(w) = new_window {
+                        tracing::info!(
+                            messaging.system = SYSTEM, stream = name,
+                            old = %humantime::format_duration(old_window), new = %humantime::format_duration(w),
+                            "stream duplicate window set to cover the retry ladder"
+                        );
+                    }
                 }
                 Ok(())
             }
             Err(e) if is_stream_not_found(&e) => {
+                // A new stream has no max_age (unlimited retention).
+                let window = dedup.map(|spec| duplicate_window(spec, Duration::ZERO));
                 conn.js
                     .create_stream(stream::Config {
                         name: name.to_owned(),
                         subjects: subjects.clone(),
                         storage: stream::StorageType::File,
                         num_replicas: self.inner.options.replicas,
+                        duplicate_window: window.unwrap_or_default(),
                         ..stream::Config::default()
                     })
                     .await
@@ -154,8 +210,9 @@ impl Nats {
                         TransportError::new(
                             ErrorKind::Refused,
                             format!(
-                                "creating stream {name} over {subjects:?} (file storage, transport.replicas = {}): {e}",
-                                self.inner.options.replicas
+                                "creating stream {name} over {subjects:?} (file storage, transport.replicas = {}{}): {e}",
+                                self.inner.options.replicas,
+                                window.map(|w| format!(", duplicate window {}", humantime::format_duration(w))).unwrap_or_default(),
                             ),
                         )
                     })?;
@@ -207,9 +264,9 @@ impl Nats {
         self.check_replicas(conn)?;
         let t = spec.name.as_str();
         // The work stream first: an old one over `weir.T.>` overlaps the DLQ.
-        self.ensure_stream(conn, &names::stream(t), names::stream_subjects(t))
+        self.ensure_stream(conn, &names::stream(t), names::stream_subjects(t), Some(spec))
             .await?;
-        self.ensure_stream(conn, &names::dead_letter_stream(t), vec![names::dead_letter(t)])
+        self.ensure_stream(conn, &names::dead_letter_stream(t), vec![names::dead_letter(t)], None)
             .await?;
         self.ensure_attempts(conn, spec).await.map(drop)
     }

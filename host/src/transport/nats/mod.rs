@@ -70,7 +70,12 @@
 //! ingress message at a time (`MaxAckPending` 1), the next is handed out only
 //! after the previous one's forward was confirmed and acked, so forwarders on
 //! several nodes keep the order of every group (a redelivery after `AckWait`
-//! may still reorder, as any redelivery may).
+//! may still reorder, as any redelivery may). That one message stalls every
+//! forwarder while its holder lives, so its `AckWait` is short
+//! ([`conn::INGRESS_ACK_WAIT`], 5 s) and the holder keeps it with `+WPI`
+//! every quarter of it while the forward is in flight: a node that dies
+//! holding it (kill -9) stalls the ingress for 5 s, not the 30 s of the
+//! slot consumers' default.
 
 pub mod acker;
 pub mod conn;
@@ -87,7 +92,9 @@ use async_trait::async_trait;
 pub use conn::{Nats, NatsOptions, connect};
 
 use crate::envelope::Wire;
-use crate::transport::{ErrorKind, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
+use crate::transport::{
+    ErrorKind, Landed, RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError,
+};
 use conn::{REQUEST_TIMEOUT, SYSTEM};
 use declare::{ingress_consumer_config, slot_consumer_config};
 use floor::FloorState;
@@ -149,23 +156,23 @@ impl Transport for Nats {
     ) -> Result<Option<Box<dyn Subscription>>, TransportError> {
         let spec = self.spec(topology)?;
         let _ = prefetch;
-        let desired = ingress_consumer_config(topology);
+        let desired = ingress_consumer_config(topology, self.inner.options.ingress_ack_wait);
         self.subscribe_consumer(&spec, desired, None, 1).await.map(Some)
     }
 
     async fn publish(&self, topology: &str, slot: u32, wire: Wire) -> Result<(), TransportError> {
-        let slots = self.inner.topologies.lock().get(topology).map(|t| t.slots);
-        if let Some(slots) = slots
-            && slot >= slots
-        {
-            return Err(TransportError::new(
-                ErrorKind::Invalid,
-                format!("slot {slot} does not exist in topology `{topology}` ({slots} slots)"),
-            ));
-        }
+        self.check_slot(topology, slot)?;
         let subject = names::slot_subject(topology, slot);
         let target = format!("subject {subject} (stream {})", names::stream(topology));
-        self.publish_to(subject, wire, &target, false).await
+        self.publish_to(subject, wire, &target, false, None).await.map(drop)
+    }
+
+    async fn publish_cascade(&self, topology: &str, slot: u32, wire: Wire, id: &str) -> Result<Landed, TransportError> {
+        self.check_slot(topology, slot)?;
+        let subject = names::slot_subject(topology, slot);
+        let target = format!("subject {subject} (stream {})", names::stream(topology));
+        let id = self.inner.options.cascade_msg_ids.then_some(id);
+        self.publish_to(subject, wire, &target, false, id).await
     }
 
     async fn publish_dead_letter(&self, topology: &str, wire: Wire) -> Result<(), TransportError> {
@@ -174,7 +181,7 @@ impl Transport for Nats {
             "dead-letter subject {subject} (stream {})",
             names::dead_letter_stream(topology)
         );
-        self.publish_to(subject, wire, &target, true).await
+        self.publish_to(subject, wire, &target, true, None).await.map(drop)
     }
 
     async fn retry_facts(&self, topology: &str) -> Result<Option<RetryFacts>, TransportError> {
@@ -285,6 +292,20 @@ impl Transport for Nats {
     }
 }
 
+impl Nats {
+    /// An error naming the slot when `topology` is declared here without it.
+    fn check_slot(&self, topology: &str, slot: u32) -> Result<(), TransportError> {
+        let slots = self.inner.topologies.lock().get(topology).map(|t| t.slots);
+        match slots {
+            Some(slots) if slot >= slots => Err(TransportError::new(
+                ErrorKind::Invalid,
+                format!("slot {slot} does not exist in topology `{topology}` ({slots} slots)"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -310,6 +331,35 @@ mod tests {
         assert_eq!(names::dead_letter_stream("orders"), "WEIR_orders_DLQ");
         // the work stream does not cover the dead-letter subject (module docs)
         assert!(!names::stream_subjects("orders").iter().any(|s| s.ends_with('>')));
+    }
+
+    /// The duplicate window covers the ladder up to the handler's last try,
+    /// plus a call's time per try; never below the server's default; capped
+    /// at `max_age` (the server refuses more).
+    #[test]
+    fn the_duplicate_window_covers_the_retry_ladder() {
+        use super::declare::duplicate_window;
+        let s = |secs: u64| Duration::from_secs(secs);
+        let mut spec = TopologySpec::new("t", 1);
+        // The default ladder (1 s, 5 s, 30 s; 5 deliveries, 4 for the
+        // handler): 1 + 5 + 30 s to the last try, plus 4 × 30 s.
+        assert_eq!(duplicate_window(&spec, Duration::ZERO), s(36 + 120));
+        spec.retry = RetryPolicy::new(vec![s(60), s(600)], 6);
+        // 60 + 600 + 600 + 600 s to the 5th delivery, plus 5 × 30 s.
+        assert_eq!(duplicate_window(&spec, Duration::ZERO), s(1860 + 150));
+        assert_eq!(duplicate_window(&spec, s(900)), s(900), "capped at max_age");
+        spec.retry = RetryPolicy::new(vec![s(1)], 2);
+        assert_eq!(
+            duplicate_window(&spec, Duration::ZERO),
+            s(120),
+            "never below the server's default"
+        );
+        spec.retry = RetryPolicy::new(vec![s(1)], 0);
+        assert_eq!(
+            duplicate_window(&spec, Duration::ZERO),
+            s(24 * 3600),
+            "unlimited deliveries"
+        );
     }
 
     #[test]

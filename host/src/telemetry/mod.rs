@@ -20,6 +20,14 @@
 //!
 //! With no endpoint nothing here allocates: [`enabled`] is one load, and a
 //! cascade only inherits its cause's `traceparent` ([`inherit`]).
+//!
+//! What a publisher controls is bounded wherever it is copied ([`bound`]):
+//! an invalid `traceparent` is ignored, a `tracestate` is cut to the W3C
+//! limits, attribute values taken from a message are cut, and spans wait
+//! for the collector in a bounded queue that drops with a count ([`queue`]).
+
+pub mod bound;
+pub mod queue;
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -94,8 +102,10 @@ pub fn init(cfg: &Telemetry, node: &str) -> anyhow::Result<Option<Flush>> {
         .with_service_name(cfg.service_name.clone())
         .with_attribute(KeyValue::new("service.instance.id", node.to_owned()))
         .build();
+    let queue = queue::BoundedQueue::new(exporter, queue::QUEUE_SPANS)
+        .map_err(|e| anyhow::anyhow!("starting the span export thread: {e}"))?;
     let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        .with_span_processor(queue)
         .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(cfg.sampling))))
         .with_resource(resource)
         .build();
@@ -140,25 +150,53 @@ impl opentelemetry_http::HttpClient for UreqClient {
     }
 }
 
-/// Reads `traceparent`/`tracestate` from a message's headers.
-struct Headers<'a>(&'a [(String, String)]);
+/// A message's trace context, bounded ([`bound`]): its `traceparent` when
+/// valid, and then its `tracestate` cut to the W3C limits.
+struct Headers {
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+}
 
-impl Extractor for Headers<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(key))
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0.iter().map(|(k, _)| k.as_str()).collect()
+impl Headers {
+    fn of(headers: &[(String, String)]) -> Self {
+        let find = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        let traceparent = find(TRACEPARENT).and_then(bound::traceparent).map(str::to_owned);
+        let tracestate = traceparent
+            .as_ref()
+            .and_then(|_| find(TRACESTATE))
+            .and_then(bound::tracestate);
+        Self {
+            traceparent,
+            tracestate,
+        }
     }
 }
 
-/// The context a message's headers carry (empty when they carry none).
+impl Extractor for Headers {
+    fn get(&self, key: &str) -> Option<&str> {
+        if key.eq_ignore_ascii_case(TRACEPARENT) {
+            self.traceparent.as_deref()
+        } else if key.eq_ignore_ascii_case(TRACESTATE) {
+            self.tracestate.as_deref()
+        } else {
+            None
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        vec![TRACEPARENT, TRACESTATE]
+    }
+}
+
+/// The context a message's headers carry (empty when they carry none, or
+/// an invalid `traceparent`).
 fn parent_of(headers: &[(String, String)]) -> Context {
-    TraceContextPropagator::new().extract(&Headers(headers))
+    TraceContextPropagator::new().extract(&Headers::of(headers))
 }
 
 /// `traceparent` for `sc` (version 00).
@@ -198,17 +236,17 @@ pub fn receive(env: &mut Envelope, topology: &str, slot: u32, handler: &str) -> 
         KeyValue::new("messaging.system", "weir"),
         KeyValue::new("messaging.operation.type", "process"),
         KeyValue::new("messaging.destination.name", topology.to_owned()),
-        KeyValue::new("messaging.message.id", env.id.clone()),
+        KeyValue::new("messaging.message.id", bound::attribute(&env.id)),
         KeyValue::new("weir.slot", i64::from(slot)),
-        KeyValue::new("weir.message_type", env.message_type.clone()),
+        KeyValue::new("weir.message_type", bound::attribute(&env.message_type)),
         KeyValue::new("weir.attempt", i64::from(env.attempt)),
         KeyValue::new("weir.handler", handler.to_owned()),
     ];
     if let Some(g) = env.group_id.as_deref().filter(|g| !g.is_empty()) {
-        attributes.push(KeyValue::new("weir.group", g.to_owned()));
+        attributes.push(KeyValue::new("weir.group", bound::attribute(g)));
     }
     if let Some(t) = env.tenant_id.as_deref() {
-        attributes.push(KeyValue::new("weir.tenant", t.to_owned()));
+        attributes.push(KeyValue::new("weir.tenant", bound::attribute(t)));
     }
     let span = tracer
         .span_builder("weir.receive")
@@ -267,13 +305,13 @@ pub fn call(msg: &Envelope, handler: &str, digest: &str, batch: Option<usize>) -
         KeyValue::new("weir.handler", handler.to_owned()),
         KeyValue::new("weir.handler.version", digest.to_owned()),
         KeyValue::new("weir.attempt", i64::from(msg.attempt)),
-        KeyValue::new("messaging.message.id", msg.id.clone()),
+        KeyValue::new("messaging.message.id", bound::attribute(&msg.id)),
     ];
     if let Some(g) = msg.group_id.as_deref().filter(|g| !g.is_empty()) {
-        attributes.push(KeyValue::new("weir.group", g.to_owned()));
+        attributes.push(KeyValue::new("weir.group", bound::attribute(g)));
     }
     if let Some(t) = msg.tenant_id.as_deref() {
-        attributes.push(KeyValue::new("weir.tenant", t.to_owned()));
+        attributes.push(KeyValue::new("weir.tenant", bound::attribute(t)));
     }
     if let Some(n) = batch {
         attributes.push(KeyValue::new(
@@ -333,8 +371,8 @@ pub fn publish(cascade: &mut Envelope, topology: &str) -> Option<Publish> {
             KeyValue::new("messaging.system", "weir"),
             KeyValue::new("messaging.operation.type", "send"),
             KeyValue::new("messaging.destination.name", topology.to_owned()),
-            KeyValue::new("messaging.message.id", cascade.id.clone()),
-            KeyValue::new("weir.message_type", cascade.message_type.clone()),
+            KeyValue::new("messaging.message.id", bound::attribute(&cascade.id)),
+            KeyValue::new("weir.message_type", bound::attribute(&cascade.message_type)),
         ])
         .start_with_context(tracer, &parent);
     set_header(&mut cascade.headers, TRACEPARENT, traceparent(span.span_context()));
@@ -346,7 +384,7 @@ impl Publish {
     pub fn end(mut self, error: Option<&dyn std::fmt::Display>) {
         if let Some(e) = error {
             self.0.set_status(Status::Error {
-                description: Cow::Owned(e.to_string()),
+                description: Cow::Owned(bound::attribute(&e.to_string())),
             });
         }
         self.0.end();
@@ -355,17 +393,22 @@ impl Publish {
 
 /// With traces off: a cascade that names no trace of its own continues its
 /// cause's (`traceparent` and `tracestate` copied), so a trace started by a
-/// publisher survives a node that does not record it.
+/// publisher survives a node that does not record it. Only a valid
+/// `traceparent` is copied, and its `tracestate` within the W3C limits
+/// ([`bound`]).
 pub fn inherit<'a>(cause: &Envelope, cascades: impl Iterator<Item = &'a mut Envelope>) {
-    let Some(tp) = header(&cause.headers, TRACEPARENT) else {
+    let Headers {
+        traceparent: Some(tp),
+        tracestate: state,
+    } = Headers::of(&cause.headers)
+    else {
         return;
     };
-    let state = header(&cause.headers, TRACESTATE);
     for c in cascades {
         if header(&c.headers, TRACEPARENT).is_none() {
-            c.headers.push((TRACEPARENT.to_owned(), tp.to_owned()));
-            if let Some(s) = state {
-                set_header(&mut c.headers, TRACESTATE, s.to_owned());
+            c.headers.push((TRACEPARENT.to_owned(), tp.clone()));
+            if let Some(s) = &state {
+                set_header(&mut c.headers, TRACESTATE, s.clone());
             }
         }
     }
@@ -401,14 +444,50 @@ mod tests {
     #[test]
     fn a_cascade_inherits_its_causes_trace_unless_it_names_its_own() {
         let mut cause = msg();
-        cause.headers.push((TRACEPARENT.to_owned(), "00-a-b-01".to_owned()));
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        cause.headers.push((TRACEPARENT.to_owned(), tp.to_owned()));
         cause.headers.push((TRACESTATE.to_owned(), "k=v".to_owned()));
         let mut plain = msg();
         let mut own = msg();
         own.headers.push((TRACEPARENT.to_owned(), "00-c-d-01".to_owned()));
         inherit(&cause, [&mut plain, &mut own].into_iter());
-        assert_eq!(header(&plain.headers, TRACEPARENT), Some("00-a-b-01"));
+        assert_eq!(header(&plain.headers, TRACEPARENT), Some(tp));
         assert_eq!(header(&plain.headers, TRACESTATE), Some("k=v"));
         assert_eq!(header(&own.headers, TRACEPARENT), Some("00-c-d-01"));
+    }
+
+    /// Issue 33, item 5: a publisher's oversized trace context is not copied
+    /// as received: an invalid `traceparent` (a 100 003-byte one) carries
+    /// nothing, and a 120 000-byte `tracestate` is cut to the W3C limits.
+    #[test]
+    fn a_cascade_inherits_no_more_than_the_w3c_limits() {
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let mut huge_parent = msg();
+        huge_parent.headers.push((
+            TRACEPARENT.to_owned(),
+            format!("{tp}{}", "0".repeat(100_003 - tp.len())),
+        ));
+        huge_parent.headers.push((TRACESTATE.to_owned(), "k=v".to_owned()));
+        let mut c = msg();
+        inherit(&huge_parent, std::iter::once(&mut c));
+        assert!(
+            c.headers.is_empty(),
+            "an invalid traceparent is ignored: {:?}",
+            c.headers.len()
+        );
+
+        let mut huge_state = msg();
+        huge_state.headers.push((TRACEPARENT.to_owned(), tp.to_owned()));
+        let members: Vec<String> = (0..1000).map(|i| format!("k{i}={}", "v".repeat(110))).collect();
+        let state = members.join(",");
+        assert!(state.len() >= 110_000);
+        huge_state.headers.push((TRACESTATE.to_owned(), state));
+        let mut c = msg();
+        inherit(&huge_state, std::iter::once(&mut c));
+        assert_eq!(header(&c.headers, TRACEPARENT), Some(tp));
+        let cut = header(&c.headers, TRACESTATE).unwrap();
+        assert!(cut.len() <= bound::TRACESTATE_BYTES, "{} bytes", cut.len());
+        assert!(cut.split(',').count() <= bound::TRACESTATE_MEMBERS);
+        assert!(cut.starts_with("k0="));
     }
 }
