@@ -245,10 +245,21 @@ message_types = ["greeting"]
     // so a first run shows no false alarm; the old template's binding (the
     // negative control) dead-letters every `greeted` as `no-handler`.
     let weir_toml = std::fs::read_to_string(project.join("weir.toml")).unwrap();
-    assert!(weir_toml.contains(r#"message_types = ["greeting", "greeted"]"#), "{weir_toml}");
-    assert_eq!(first_run(&project, &weir_toml).await, 0, "no dead letter on a first run");
+    assert!(
+        weir_toml.contains(r#"message_types = ["greeting", "greeted"]"#),
+        "{weir_toml}"
+    );
+    assert_eq!(
+        first_run(&project, &weir_toml).await,
+        0,
+        "no dead letter on a first run"
+    );
     let old = weir_toml.replace(r#"["greeting", "greeted"]"#, r#"["greeting"]"#);
-    assert_eq!(first_run(&project, &old).await, 10, "the old template dead-letters each cascade");
+    assert_eq!(
+        first_run(&project, &old).await,
+        10,
+        "the old template dead-letters each cascade"
+    );
 }
 
 /// Run the project's node config `text` (from the project folder, as `weir
@@ -291,7 +302,10 @@ async fn first_run(project: &Path, text: &str) -> usize {
         if s.handled + dead >= 20 {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the first run did not settle");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the first run did not settle"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     node.shutdown().await.unwrap();

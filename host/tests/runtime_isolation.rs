@@ -120,7 +120,9 @@ fn load_refuses_garbage_and_names_the_origin() {
 fn load_says_text_and_random_bytes_are_not_webassembly() {
     let rt = runtime(8);
     let text = b"name = \"greeter\"\n";
-    let raw = wasmtime::component::Component::new(rt.engine(), text).err().map(|e| format!("{e:#}"));
+    let raw = wasmtime::component::Component::new(rt.engine(), text)
+        .err()
+        .map(|e| format!("{e:#}"));
     assert!(
         raw.as_deref().is_some_and(|e| e.contains("expected")),
         "control: the engine answers with a text parser's error: {raw:?}"
@@ -130,9 +132,13 @@ fn load_says_text_and_random_bytes_are_not_webassembly() {
         (vec![0x9f, 0x92, 0x96, 0xff, 0x00], "its first bytes are not"),
         (Vec::new(), "it is empty"),
     ] {
-        let err = format!("{:#}", rt.load(&bytes, HandlerSettings::new("x"), "x.wasm").unwrap_err());
+        let err = format!(
+            "{:#}",
+            rt.load(&bytes, HandlerSettings::new("x"), "x.wasm").unwrap_err()
+        );
         assert!(
-            err.contains("x.wasm is not a valid WebAssembly component: it is not WebAssembly at all") && err.contains(looks),
+            err.contains("x.wasm is not a valid WebAssembly component: it is not WebAssembly at all")
+                && err.contains(looks),
             "{err}"
         );
         assert!(!err.contains("expected"), "no parser's error: {err}");
