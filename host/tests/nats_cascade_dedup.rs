@@ -213,7 +213,7 @@ async fn lost_confirm_then_retry(servers: &NatsServers, msg_ids: bool) -> Run {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cascade_whose_puback_was_lost_lands_once_with_its_message_id() {
-    let servers = NatsServers::start(1);
+    let servers = tokio::task::spawn_blocking(NatsServers::single).await.unwrap();
     let run = lost_confirm_then_retry(&servers, true).await;
     assert_eq!(run.copies, 1, "the rerun's copy must be dropped by the server");
     assert_eq!(run.cascade_runs, 1, "the cascade must run once");
@@ -230,7 +230,7 @@ async fn a_cascade_whose_puback_was_lost_lands_once_with_its_message_id() {
 /// Negative control: the same run with `Nats-Msg-Id` suppressed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn negative_control_without_a_message_id_the_ghost_cascade_lands_twice() {
-    let servers = NatsServers::start(1);
+    let servers = tokio::task::spawn_blocking(NatsServers::single).await.unwrap();
     let run = lost_confirm_then_retry(&servers, false).await;
     assert_eq!(
         run.copies, 2,
@@ -260,7 +260,15 @@ async fn the_duplicate_window_is_capped_at_the_streams_max_age() {
     let mut spec = weir::transport::TopologySpec::new(&topo.name, 1);
     spec.retry = weir::retry::schedule::RetryPolicy::new(LADDER.to_vec(), MAX_DELIVER);
     weir::transport::Transport::declare(&nats, &spec).await.unwrap();
-    let info = js.get_stream(&stream).await.unwrap().info().await.unwrap().config;
+    let info = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
     assert_eq!(info.max_age, Duration::from_secs(300), "the operator's max_age is kept");
     assert_eq!(
         info.duplicate_window,

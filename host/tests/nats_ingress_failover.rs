@@ -18,6 +18,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/proxy.rs"]
+mod proxy;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -29,7 +31,7 @@ use weir::transport::nats::{Nats, NatsOptions, names};
 use weir::transport::{Subscription, TopologySpec, Transport};
 
 use common::nats::{Topo, js_at, url};
-use common::proxy::FaultProxy;
+use proxy::FaultProxy;
 
 /// The next delivery of `sub` within `timeout`, as its message id.
 async fn next_id(sub: &mut Box<dyn Subscription>, timeout: Duration) -> Option<String> {

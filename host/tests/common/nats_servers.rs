@@ -152,6 +152,38 @@ impl NatsServers {
         cluster
     }
 
+    /// One server with JetStream and no cluster (a standalone nats-server of
+    /// the test's own, as the shared one is), ready for streams.
+    pub fn single() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_ports(1)[0];
+        let store = dir.path().join("n0-store");
+        let config = dir.path().join("n0.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "server_name: \"n0\"\nlisten: \"127.0.0.1:{port}\"\n\
+                 jetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 64MB\n  max_file_store: 1GB\n}}\n",
+                store = store.display(),
+            ),
+        )
+        .unwrap();
+        let mut server = Server {
+            url: format!("nats://127.0.0.1:{port}"),
+            log: dir.path().join("n0.log"),
+            name: "n0".into(),
+            config,
+            child: None,
+        };
+        server.spawn();
+        let single = Self {
+            dir,
+            servers: vec![server],
+        };
+        single.wait_ready(1, Duration::from_secs(60));
+        single
+    }
+
     /// Every server's client URL, `n0` first (a node's `transport.url` list).
     pub fn urls(&self) -> Vec<String> {
         self.servers.iter().map(|s| s.url.clone()).collect()
