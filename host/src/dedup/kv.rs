@@ -53,6 +53,10 @@ impl Bucket {
         if info.config.max_age != longest {
             let mut config = info.config.clone();
             config.max_age = longest;
+            // The server refuses a duplicate window longer than max_age.
+            if !longest.is_zero() {
+                config.duplicate_window = config.duplicate_window.min(longest);
+            }
             js.update_stream(config)
                 .await
                 .with_context(|| format!("setting the max_age of {stream} to the longest dedup window"))?;
