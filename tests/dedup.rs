@@ -35,7 +35,7 @@ use common::registry::{self, KvBucket, Registry};
 use weir::envelope::Envelope;
 use weir::observe::journal::Report;
 use weir::partition;
-use weir::settle::fault::{KILL_BEFORE_ACK, KILL_BEFORE_CALL};
+use weir::runtime::fault::{KILL_BEFORE_ACK, KILL_BEFORE_CALL};
 use weir::transport::nats::Nats;
 use weir::transport::rabbitmq::RabbitMq;
 

@@ -27,7 +27,7 @@ use crate::settle::decide::remember;
 use crate::settle::{Pending, Slot};
 use crate::transport::Disposition;
 
-use super::job::call_each;
+use super::call_each;
 use super::{Pipeline, SlotSettings};
 
 /// What this job knows of a key.

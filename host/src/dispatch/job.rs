@@ -20,6 +20,7 @@ use crate::settle::cascades::{failure_text, publish_cascades};
 use crate::settle::decide::settle_all;
 use crate::transport::{Delivery, Disposition};
 
+use super::call_each;
 use super::dedup_calls::{acked_as_handled, call_with_dedup, lookup_all};
 use super::lane::lane_key;
 use super::{Pipeline, SlotSettings};
@@ -206,23 +207,6 @@ async fn release_run(p: &Pipeline, mut pending: Vec<Pending>) {
             tracing::warn!(tag = x.tag, error = %e, "release failed; the broker redelivers it");
         }
         p.stats.record(Outcome::Released);
-    }
-}
-
-/// Call `handle` for each item in order on one worker. `None` when the pool
-/// is gone (process shutting down): the deliveries are then neither acked
-/// nor captured, so the broker redelivers them.
-pub(super) async fn call_each(
-    p: &Pipeline,
-    items: Vec<(Arc<HandlerVersion>, Envelope)>,
-    cancel: Arc<Interrupt>,
-) -> Option<Vec<(Envelope, CallOutcome)>> {
-    match p.pool.run_each(items, Some(cancel)).await {
-        Ok(o) => Some(o),
-        Err(e) => {
-            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
-            None
-        }
     }
 }
 

@@ -249,3 +249,20 @@ pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
+
+/// Call `handle` for each item in order on one worker. `None` when the pool
+/// is gone (process shutting down): the deliveries are then neither acked
+/// nor captured, so the broker redelivers them.
+pub(crate) async fn call_each(
+    p: &Pipeline,
+    items: Vec<(Arc<crate::runtime::HandlerVersion>, crate::envelope::Envelope)>,
+    cancel: Arc<crate::runtime::Interrupt>,
+) -> Option<Vec<(crate::envelope::Envelope, crate::runtime::CallOutcome)>> {
+    match p.pool.run_each(items, Some(cancel)).await {
+        Ok(o) => Some(o),
+        Err(e) => {
+            tracing::error!(error = %e, "worker pool unavailable; leaving deliveries unsettled");
+            None
+        }
+    }
+}

@@ -20,6 +20,7 @@ pub mod bundled;
 pub mod call;
 pub mod engine;
 pub mod executor;
+pub mod fault;
 pub mod grants;
 mod host;
 pub mod instance;

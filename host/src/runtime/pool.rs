@@ -434,7 +434,7 @@ fn run(exec: &mut Executor, job: Job, shared: &Shared) {
         } => {
             let mut items = items.into_iter();
             while let Some((h, msg)) = items.next() {
-                crate::settle::fault::before_call();
+                super::fault::before_call();
                 let started = super::host::thread_cpu_time();
                 let outcome = exec.call(&h, &msg, &cancel);
                 if failed(&outcome) || exec.over_budget() {

@@ -53,7 +53,7 @@ pub async fn settle_all(
                 result: Ok(()),
                 published,
             } if published.is_empty() => {
-                super::fault::before_ack();
+                crate::runtime::fault::before_ack();
                 if let Err(e) = pend.acker.settle(Disposition::Ack).await {
                     cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
@@ -137,7 +137,7 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
                 if let (Some(store), Some(window)) = (cx.sink.dedup, handler.settings.dedup) {
                     remember(cx, store, vec![(dedup::Key::of(&env), window)]).await;
                 }
-                super::fault::before_ack();
+                crate::runtime::fault::before_ack();
                 if let Err(e) = acker.settle(Disposition::Ack).await {
                     cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag, error = %e, "ack of a handled message failed; it may be delivered again");

@@ -12,7 +12,6 @@
 pub mod capture;
 pub mod cascades;
 pub mod decide;
-pub mod fault;
 
 use std::sync::Arc;
 
