@@ -70,9 +70,15 @@ struct Args {
     /// Seed of the fault schedule and the publisher (printed; random when absent).
     #[arg(long)]
     seed: Option<u64>,
-    /// Messages published per second.
+    /// Messages published per second (with `--burst N`, bursts per second).
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
+    /// Messages published back to back to one group at each tick, so that a
+    /// lane's job holds many of them and calls finished early in a job wait
+    /// for their acks behind the rest (the profile where `handler.dedup`
+    /// has the most second calls to remove under kill -9).
+    #[arg(long, default_value_t = 1)]
+    burst: u32,
     /// Groups the messages are spread over (tenant `t0`/`t1` by group).
     #[arg(long, default_value_t = 16)]
     groups: u32,
@@ -592,6 +598,7 @@ async fn publish_loop(
     slots: u32,
     groups: u32,
     rate: f64,
+    burst: u32,
     calls: Calls,
     seed: u64,
     ingress: bool,
@@ -605,57 +612,59 @@ async fn publish_loop(
         let g = rng.random_range(0..groups);
         let group = format!("g{g}");
         let tenant = format!("t{}", g % 2);
-        let long = rng.random_bool(calls.long_share);
-        let ms = if long {
-            rng.random_range(calls.long.0..=calls.long.1)
-        } else {
-            rng.random_range(calls.short.0..=calls.short.1)
-        };
-        let id = weir::envelope::fresh_id();
-        let slot = weir::partition::slot_for(Some(&group), &id, slots);
-        let body = if long && calls.sleep {
-            format!("{ms} sleep")
-        } else {
-            ms.to_string()
-        };
-        let headers = [
-            ("weir-message-id", id.as_str()),
-            ("weir-message-type", "soak.call"),
-            ("weir-group-id", group.as_str()),
-            ("weir-tenant-id", tenant.as_str()),
-            ("weir-attempt", "1"),
-        ];
-        let at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let mut confirmed = false;
-        for _ in 0..5 {
-            let sent = if ingress {
-                broker.publish_ingress(&topology, &headers, body.as_bytes()).await
+        for _ in 0..burst {
+            let long = rng.random_bool(calls.long_share);
+            let ms = if long {
+                rng.random_range(calls.long.0..=calls.long.1)
             } else {
-                broker.publish(&topology, slot, &headers, body.as_bytes()).await
+                rng.random_range(calls.short.0..=calls.short.1)
             };
-            if sent.is_ok() {
-                confirmed = true;
-                break;
+            let id = weir::envelope::fresh_id();
+            let slot = weir::partition::slot_for(Some(&group), &id, slots);
+            let body = if long && calls.sleep {
+                format!("{ms} sleep")
+            } else {
+                ms.to_string()
+            };
+            let headers = [
+                ("weir-message-id", id.as_str()),
+                ("weir-message-type", "soak.call"),
+                ("weir-group-id", group.as_str()),
+                ("weir-tenant-id", tenant.as_str()),
+                ("weir-attempt", "1"),
+            ];
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            let mut confirmed = false;
+            for _ in 0..5 {
+                let sent = if ingress {
+                    broker.publish_ingress(&topology, &headers, body.as_bytes()).await
+                } else {
+                    broker.publish(&topology, slot, &headers, body.as_bytes()).await
+                };
+                if sent.is_ok() {
+                    confirmed = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        let mut l = ledger.lock();
-        if confirmed {
-            l.published.insert(
-                id,
-                Published {
-                    group,
-                    ms,
-                    slot,
-                    exposure: 0,
-                    at,
-                },
-            );
-        } else {
-            l.unconfirmed.insert(id);
+            let mut l = ledger.lock();
+            if confirmed {
+                l.published.insert(
+                    id,
+                    Published {
+                        group: group.clone(),
+                        ms,
+                        slot,
+                        exposure: 0,
+                        at,
+                    },
+                );
+            } else {
+                l.unconfirmed.insert(id);
+            }
         }
     }
 }
@@ -685,6 +694,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         args.rate
     );
     anyhow::ensure!(args.groups >= 1, "--groups must be at least 1");
+    anyhow::ensure!(args.burst >= 1, "--burst must be at least 1");
     anyhow::ensure!(
         (1..=1024).contains(&args.slots),
         "--slots {} is outside 1..=1024",
@@ -983,6 +993,7 @@ async fn soak(
         args.slots,
         args.groups,
         args.rate,
+        args.burst,
         Calls {
             short: args.short_ms,
             long: args.long_ms,
@@ -1116,13 +1127,14 @@ async fn soak(
     let faults: Vec<String> = chaos.counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
     let mut out = String::new();
     out.push_str(&format!(
-        "weir-soak summary: broker {}, cluster {}, seed {seed}, {:?} of faults, {} nodes at the start, lease {:?}, rate {}/s, {} groups, {} slots, published to the {}{}\n",
+        "weir-soak summary: broker {}, cluster {}, seed {seed}, {:?} of faults, {} nodes at the start, lease {:?}, rate {}/s{}, {} groups, {} slots, published to the {}{}\n",
         template_kind(args.broker),
         args.cluster.name(),
         args.duration,
         args.nodes,
         args.lease,
         args.rate,
+        if args.burst > 1 { format!(" in bursts of {}", args.burst) } else { String::new() },
         args.groups,
         args.slots,
         if args.ingress { "ingress" } else { "slots" },
