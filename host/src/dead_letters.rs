@@ -19,6 +19,9 @@ use weir::transport::{TopologySpec, Transport};
 /// From this many letters on, reading and moving show a progress bar.
 const BAR_FROM: u64 = 500;
 
+/// Letters `list` shows unless told `--limit` or `--all`.
+const DEFAULT_LIMIT: usize = 50;
+
 /// Longest error text a table row shows.
 const ERROR_SHOWN: usize = 100;
 
@@ -31,17 +34,34 @@ pub enum Command {
         common: Common,
         #[command(flatten)]
         filter: FilterArgs,
-        /// Show at most this many (all are still counted).
+        /// Show at most this many, the first captured (all are still counted).
+        #[arg(long, default_value_t = DEFAULT_LIMIT, conflicts_with = "all")]
+        limit: usize,
+        /// Show every matching letter (no `--limit`).
         #[arg(long)]
-        limit: Option<usize>,
+        all: bool,
     },
     /// Show dead letters in full: every header and the payload.
     Show {
         #[command(flatten)]
         common: Common,
         /// Message ids (`weir-message-id`), or `#N` for the letter at position N.
-        #[arg(required = true)]
+        #[arg(value_name = "ID")]
         ids: Vec<String>,
+        /// The same, as a flag (repeatable): `--id ID`.
+        #[arg(long = "id", value_name = "ID")]
+        id_flags: Vec<String>,
+    },
+    /// Count the dead letters by reason, handler, type and group (the most
+    /// common first), so a pile of them reads as a few causes.
+    Summary {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Rows shown per column (the rest are summed as "others").
+        #[arg(long, default_value_t = 10)]
+        top: usize,
     },
     /// Send dead letters back to their group's slot, in the order they were
     /// captured, each removed only after the broker confirmed its re-publish.
@@ -272,8 +292,22 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     let rt = node::async_runtime().context("starting the async runtime")?;
     rt.block_on(async move {
         match command {
-            Command::List { common, filter, limit } => list(&common, filter.filter()?, limit).await,
-            Command::Show { common, ids } => {
+            Command::List {
+                common,
+                filter,
+                limit,
+                all,
+            } => list(&common, filter.filter()?, (!all).then_some(limit)).await,
+            Command::Summary { common, filter, top } => summary(&common, filter.filter()?, top).await,
+            Command::Show {
+                common,
+                mut ids,
+                id_flags,
+            } => {
+                ids.extend(id_flags);
+                if ids.is_empty() {
+                    bail!("`weir dead-letters show` needs the letters to show: message ids or `#N` positions, as arguments or with --id");
+                }
                 let filter = Filter {
                     ids,
                     ..Filter::default()
@@ -406,7 +440,7 @@ async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::
         return Ok(ExitCode::SUCCESS);
     }
     let shown = if views.len() < matched {
-        format!(" ({} shown)", views.len())
+        format!(" (the first {} shown; --limit N or --all for more)", views.len())
     } else {
         String::new()
     };
@@ -418,6 +452,86 @@ async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::
     );
     if !views.is_empty() {
         out!(o, "{}", table(&views));
+    }
+    emit(&o);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One column of a summary: (value, letters), most letters first, then by
+/// value; beyond `top` rows the rest are summed into one "others" row.
+fn tally<'a>(values: impl Iterator<Item = Option<&'a str>>, top: usize) -> Vec<(String, usize)> {
+    let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for v in values {
+        *counts.entry(v.unwrap_or("-")).or_default() += 1;
+    }
+    let mut rows: Vec<(String, usize)> = counts.into_iter().map(|(k, n)| (k.to_owned(), n)).collect();
+    rows.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    if rows.len() > top {
+        let others: usize = rows[top..].iter().map(|r| r.1).sum();
+        let kinds = rows.len() - top;
+        rows.truncate(top);
+        rows.push((format!("({kinds} others)"), others));
+    }
+    rows
+}
+
+async fn summary(common: &Common, filter: Filter, top: usize) -> anyhow::Result<ExitCode> {
+    let mut o = String::new();
+    let t = target(common).await?;
+    let (bar, progress) = bar();
+    let selection = select(&t, &filter, &progress).await?;
+    bar.finish_and_clear();
+    let views: Vec<LetterView> = selection
+        .selected
+        .iter()
+        .map(|l| LetterView::of(l, t.slots, false))
+        .collect();
+    let (read, matched) = (selection.read, selection.selected.len());
+    selection.close().await;
+    let top = top.max(1);
+    let columns: [(&str, Vec<(String, usize)>); 4] = [
+        ("reason", tally(views.iter().map(|v| v.reason.as_deref()), top)),
+        ("handler", tally(views.iter().map(|v| v.handler.as_deref()), top)),
+        ("type", tally(views.iter().map(|v| v.message_type.as_deref()), top)),
+        ("group", tally(views.iter().map(|v| v.group.as_deref()), top)),
+    ];
+    let oldest = views.iter().filter_map(|v| v.failed_at.as_deref()).min();
+    let newest = views.iter().filter_map(|v| v.failed_at.as_deref()).max();
+    if common.json {
+        let mut by = serde_json::Map::new();
+        for (name, rows) in &columns {
+            let rows: Vec<serde_json::Value> = rows
+                .iter()
+                .map(|(k, n)| serde_json::json!({ "value": k, "letters": n }))
+                .collect();
+            by.insert((*name).to_owned(), rows.into());
+        }
+        let out = serde_json::json!({
+            "topology": t.name, "system": t.transport.system(), "read": read, "matched": matched,
+            "oldest": oldest, "newest": newest, "by": by,
+        });
+        outln!(o, "{}", serde_json::to_string_pretty(&out)?);
+        emit(&o);
+        return Ok(ExitCode::SUCCESS);
+    }
+    outln!(
+        o,
+        "topology `{}` on {}: {matched} of {read} dead letter(s) match",
+        t.name,
+        t.transport.system()
+    );
+    if let (Some(a), Some(b)) = (oldest, newest) {
+        outln!(o, "  captured {} .. {}", when(Some(a)), when(Some(b)));
+    }
+    for (name, rows) in &columns {
+        if rows.is_empty() {
+            continue;
+        }
+        let width = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+        outln!(o, "\nby {name}:");
+        for (k, n) in rows {
+            outln!(o, "  {k:<width$}  {n:>7}");
+        }
     }
     emit(&o);
     Ok(ExitCode::SUCCESS)

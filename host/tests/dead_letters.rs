@@ -581,6 +581,79 @@ async fn cli_list_show_purge(broker: Broker) {
     );
     let (st, out, _) = weir(args(&["dead-letters", "show", "--config", &path, "no-such-id"]), vec![]).await;
     assert!(!st.success() && out.contains("none of 6"), "{out}");
+    // show --id, as the README writes it; nothing to show is an error that says what to give.
+    let (st, out, _) = weir(
+        args(&["dead-letters", "show", "--config", &path, "--id", &ids[1], "--id", &pos]),
+        vec![],
+    )
+    .await;
+    assert!(st.success(), "{out}");
+    assert_eq!(out.matches("dead letter #").count(), 2, "{out}");
+    let (st, _, err) = weir(args(&["dead-letters", "show", "--config", &path]), vec![]).await;
+    assert!(!st.success() && err.contains("--id"), "{err}");
+
+    // list pages: --limit shows the first N and says how to see more; --all shows every one.
+    let (st, out, _) = weir(
+        args(&["dead-letters", "list", "--config", &path, "--limit", "2"]),
+        vec![],
+    )
+    .await;
+    assert!(st.success(), "{out}");
+    assert!(
+        out.contains("6 of 6 dead letter(s) match (the first 2 shown; --limit N or --all for more)"),
+        "{out}"
+    );
+    assert_eq!(
+        out.lines().filter(|l| l.trim_start().starts_with('#')).count(),
+        2,
+        "{out}"
+    );
+    let (st, out, _) = weir(args(&["dead-letters", "list", "--config", &path, "--all"]), vec![]).await;
+    assert!(st.success() && !out.contains("shown"), "{out}");
+
+    // summary: the pile as a few causes, most common first.
+    let (st, out, _) = weir(args(&["dead-letters", "summary", "--config", &path, "--json"]), vec![]).await;
+    assert!(st.success(), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["matched"], 6);
+    let by = |col: &str| -> Vec<(String, u64)> {
+        v["by"][col]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["value"].as_str().unwrap().to_owned(), r["letters"].as_u64().unwrap()))
+            .collect()
+    };
+    let owned =
+        |rows: &[(&str, u64)]| -> Vec<(String, u64)> { rows.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect() };
+    assert_eq!(
+        by("reason"),
+        owned(&[("exhausted", 2), ("rejected", 2), ("trap", 1), ("undecodable", 1)])
+    );
+    assert_eq!(by("group"), owned(&[("g1", 3), ("g2", 2), ("-", 1)]));
+    assert_eq!(by("type"), owned(&[("ok", 5), ("-", 1)]));
+    let (st, out, _) = weir(
+        args(&[
+            "dead-letters",
+            "summary",
+            "--config",
+            &path,
+            "--top",
+            "1",
+            "--tenant",
+            "acme",
+        ]),
+        vec![],
+    )
+    .await;
+    assert!(st.success(), "{out}");
+    assert!(out.contains("3 of 6 dead letter(s) match"), "{out}");
+    let words: Vec<String> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let at = words.iter().position(|l| l == "by reason:").expect(&out);
+    assert_eq!(words[at + 1..at + 3], ["rejected 2", "(1 others) 1"], "{out}");
 
     // redrive --dry-run: what would move, where; nothing moves.
     let (st, out, _) = weir(
