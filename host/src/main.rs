@@ -17,6 +17,7 @@ mod dead_letters;
 mod deploy;
 mod dev;
 mod groups;
+mod handlers;
 mod inspect;
 mod logging;
 mod publish;
@@ -85,6 +86,25 @@ enum Command {
         /// Redraw every SECONDS (default 2) until Ctrl-C.
         #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
         watch: Option<f64>,
+    },
+    /// Each handler's topology, tenant, running version (since when, made
+    /// by what) and canary: from the admin listeners given (merged; a
+    /// version that differs between nodes is shown per node), the config's
+    /// node.admin, or in postgres and nats-kv modes the store.
+    Handlers {
+        /// A node's TOML config: its node.admin (with its admin_token unless
+        /// --token is given), else in postgres or nats-kv mode its store.
+        #[arg(long, required_unless_present = "admin")]
+        config: Option<PathBuf>,
+        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
+        #[arg(long)]
+        admin: Vec<String>,
+        /// The token of those listeners (or WEIR_TOKEN); a tenant's token sees its handlers.
+        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// Publish messages through the configured broker to the slot of their
     /// group (publisher confirms), with a progress bar for large counts.
@@ -586,6 +606,17 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Handlers {
+            config,
+            admin,
+            token,
+            json,
+        } => handlers::run(handlers::Request {
+            config,
+            admin,
+            token,
+            json,
+        }),
         Command::Status {
             config,
             admin,

@@ -18,6 +18,8 @@ use weir::registry::kv::Buckets;
 use weir::registry::shared::Shared;
 use weir::registry::store::pg::Database;
 
+use crate::handlers;
+
 /// What `weir status` was asked.
 pub struct Request {
     pub config: Option<PathBuf>,
@@ -177,8 +179,28 @@ fn render_canaries(list: &[Canary]) -> String {
     out
 }
 
+/// The handlers' versions the nodes at `admins` run, merged (a node that
+/// cannot say is left out, with a warning).
+fn versions_from_admin(admins: &[String], token: Option<&str>) -> Vec<handlers::Merged> {
+    let views = admins
+        .iter()
+        .filter_map(|a| match handlers::from_admin(a, token) {
+            Ok(rows) => Some((a.clone(), rows)),
+            Err(e) => {
+                tracing::warn!(admin = %a, error = %format!("{e:#}"), "cannot read the handlers' versions");
+                None
+            }
+        })
+        .collect();
+    handlers::merge(views)
+}
+
+/// What `weir status` shows: the slots, the running canaries, and the
+/// version each handler runs.
+type View = (Status, Vec<Canary>, Vec<handlers::Merged>);
+
 /// The cluster once, and its running canaries when a node was asked.
-fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
+fn read(req: &Request) -> anyhow::Result<View> {
     if !req.admin.is_empty() {
         let views = req
             .admin
@@ -186,7 +208,8 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
             .map(|a| from_admin(a, req.token.as_deref()))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let canaries = canaries_from_admin(&req.admin, req.token.as_deref());
-        return Ok((Status::merge(views), canaries));
+        let versions = versions_from_admin(&req.admin, req.token.as_deref());
+        return Ok((Status::merge(views), canaries, versions));
     }
     let Some(path) = &req.config else {
         bail!("say where to look: --config FILE (postgres or nats-kv mode, or a node with node.admin) or --admin URL");
@@ -203,11 +226,13 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
         };
         let token = req.token.clone().or_else(|| cfg.node.admin_token.clone());
         let admin = format!("http://{addr}");
+        let status = from_admin(&admin, token.as_deref())?;
         let canaries = canaries_from_admin(std::slice::from_ref(&admin), token.as_deref());
-        return Ok((from_admin(&admin, token.as_deref())?, canaries));
+        let versions = versions_from_admin(std::slice::from_ref(&admin), token.as_deref());
+        return Ok((status, canaries, versions));
     }
     crate::runtime()?.block_on(async {
-        let (mut status, versions): (Status, Option<Box<dyn Shared>>) = if cfg.cluster.mode == ClusterMode::NatsKv {
+        let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
             let kv = nats_kv::NatsKv::open(
                 &cfg.transport.urls(),
                 "weir status",
@@ -222,20 +247,15 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
                     cfg.cluster.bucket()
                 )
             })?;
-            let status = nats_kv::status(&kv, cfg.cluster.lease).await?;
-            let client = weir::transport::nats::connect(&cfg.transport.urls(), "weir status").await?;
-            let versions = Buckets::existing(&async_nats::jetstream::new(client), cfg.cluster.bucket())
-                .await?
-                .map(|b| Box::new(b) as Box<dyn Shared>);
-            (status, versions)
+            nats_kv::status(&kv, cfg.cluster.lease).await?
         } else {
             let url = cfg.cluster.database_url.clone().unwrap_or_default();
             let pool = postgres::connect(&url)
                 .await
                 .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
-            let status = postgres::status::status(&pool).await?;
-            (status, Some(Box::new(Database(pool)) as Box<dyn Shared>))
+            postgres::status::status(&pool).await?
         };
+        let versions = shared_store(&cfg).await?;
         // Lag and consumers per slot from the broker; a broker that cannot answer leaves them unknown.
         let transport = node::transport_for(&cfg)?;
         for s in &mut status.slots {
@@ -268,7 +288,12 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
             })
             .collect();
         let mut canaries = Vec::new();
+        let mut running = Vec::new();
         if let Some(versions) = versions {
+            match handlers::from_store(versions.as_ref(), &cfg).await {
+                Ok(rows) => running = handlers::merge(vec![("the store".to_owned(), rows)]),
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the handlers' versions"),
+            }
             match canary::in_store(versions.as_ref(), &handlers).await {
                 Ok(list) => {
                     for (handler, view) in list {
@@ -281,8 +306,27 @@ fn read(req: &Request) -> anyhow::Result<(Status, Vec<Canary>)> {
                 Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the running canaries"),
             }
         }
-        anyhow::Ok((status, canaries))
+        anyhow::Ok((status, canaries, running))
     })
+}
+
+/// The store of handler versions of a `postgres` or `nats-kv` cluster
+/// (`None`: a `nats-kv` cluster that has stored no version yet).
+pub async fn shared_store(cfg: &config::Config) -> anyhow::Result<Option<Box<dyn Shared>>> {
+    if cfg.cluster.mode == ClusterMode::NatsKv {
+        let client = weir::transport::nats::connect(&cfg.transport.urls(), "weir").await?;
+        Ok(
+            Buckets::existing(&async_nats::jetstream::new(client), cfg.cluster.bucket())
+                .await?
+                .map(|b| Box::new(b) as Box<dyn Shared>),
+        )
+    } else {
+        let url = cfg.cluster.database_url.clone().unwrap_or_default();
+        let pool = postgres::connect(&url)
+            .await
+            .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
+        Ok(Some(Box::new(Database(pool))))
+    }
 }
 
 /// Print it (and again every `watch`).
@@ -290,13 +334,19 @@ pub fn run(req: Request) -> anyhow::Result<ExitCode> {
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let colour = terminal && std::env::var_os("NO_COLOR").is_none();
     loop {
-        let (status, canaries) = read(&req)?;
+        let (status, canaries, versions) = read(&req)?;
         let text = if req.json {
             let mut v = serde_json::to_value(&status)?;
             v["canaries"] = serde_json::to_value(&canaries)?;
+            v["handlers"] = serde_json::to_value(&versions)?;
             format!("{}\n", serde_json::to_string_pretty(&v)?)
         } else {
-            status.render(colour) + &render_canaries(&canaries)
+            let mut text = status.render(colour);
+            if !versions.is_empty() {
+                text.push_str("\nhandlers\n");
+                text.push_str(&handlers::render(&versions));
+            }
+            text + &render_canaries(&canaries)
         };
         match req.watch {
             None => {

@@ -122,6 +122,22 @@ fn static_status_flags_the_slot_nobody_owns_and_publish_warns_about_it() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["mode"], "static");
     assert_eq!(v["slots"].as_array().unwrap().len(), 4, "{v}");
+    // The handlers and their versions, merged over both nodes: one row, as they agree.
+    let (code, out, err) = weir(&["handlers", "--admin", &admin_a, "--admin", &admin_b, "--token", TOKEN]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("faulty ")).collect();
+    assert_eq!(rows.len(), 1, "{out}");
+    assert!(rows[0].contains(&topo.name) && rows[0].contains(" config"), "{out}");
+    assert!(!out.contains(" runs "), "no skew between nodes that agree: {out}");
+    let (_, json, _) = weir(&["handlers", "--admin", &admin_a, "--token", TOKEN, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["handlers"][0]["name"], "faulty", "{v}");
+    assert_eq!(v["handlers"][0]["version"].as_str().unwrap().len(), 64, "{v}");
+    let (_, out, _) = weir(&["status", "--admin", &admin_a, "--token", TOKEN]);
+    assert!(
+        out.contains("\nhandlers\n") && out.contains("faulty "),
+        "status shows versions: {out}"
+    );
     // No token: the node says which.
     let (code, _, err) = weir(&["status", "--admin", &admin_a]);
     assert_eq!(code, 1);
