@@ -78,7 +78,9 @@
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;
 
+use std::cell::OnceCell;
 use std::fmt;
+use std::mem::ManuallyDrop;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -111,9 +113,30 @@ pub trait Handler {
 }
 
 /// One incoming message, as delivered by the host.
-#[derive(Clone)]
+///
+/// The host keeps the message; each accessor reads its field from the host the first time it
+/// is called and keeps it, so a field the handler never reads is never copied (WIT 0.3.0).
+/// A message handed to [`Handler::handle`] or [`Handler::handle_batch`] is readable during
+/// that call only.
 pub struct Message {
-    inner: wit::Message,
+    host: Host,
+    id: OnceCell<String>,
+    message_type: OnceCell<String>,
+    group_id: OnceCell<Option<String>>,
+    tenant_id: OnceCell<Option<String>>,
+    headers: OnceCell<Vec<(String, String)>>,
+    payload: OnceCell<Vec<u8>>,
+    attempt: OnceCell<u32>,
+}
+
+/// Where a [`Message`]'s fields come from.
+enum Host {
+    /// Built by hand ([`Message::new`]): every field is set.
+    Local,
+    /// The message of a `handle` call: borrowed from the host, so never dropped here.
+    Borrowed(ManuallyDrop<wit::Message>),
+    /// A member of a `handle-batch` call.
+    Owned(wit::Message),
 }
 
 impl Message {
@@ -121,61 +144,102 @@ impl Message {
     /// first attempt; the `with_*` methods set the rest.
     pub fn new(id: impl Into<String>, message_type: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
         Message {
-            inner: wit::Message {
-                id: id.into(),
-                message_type: message_type.into(),
-                group_id: None,
-                tenant_id: None,
-                headers: Vec::new(),
-                payload: payload.into(),
-                attempt: 1,
-            },
+            host: Host::Local,
+            id: OnceCell::from(id.into()),
+            message_type: OnceCell::from(message_type.into()),
+            group_id: OnceCell::from(None),
+            tenant_id: OnceCell::from(None),
+            headers: OnceCell::from(Vec::new()),
+            payload: OnceCell::from(payload.into()),
+            attempt: OnceCell::from(1),
+        }
+    }
+
+    fn from_host(host: Host) -> Self {
+        Message {
+            host,
+            id: OnceCell::new(),
+            message_type: OnceCell::new(),
+            group_id: OnceCell::new(),
+            tenant_id: OnceCell::new(),
+            headers: OnceCell::new(),
+            payload: OnceCell::new(),
+            attempt: OnceCell::new(),
+        }
+    }
+
+    /// The message of a `handle` call, read through the host's handle.
+    fn borrowed(msg: &wit::Message) -> Self {
+        // SAFETY: the handle stays the host's (ManuallyDrop: never dropped here) and is only
+        // used while `msg` is borrowed, during the call it was given to; a use after that
+        // traps in the host, it never reads another message.
+        Self::from_host(Host::Borrowed(ManuallyDrop::new(unsafe {
+            wit::Message::from_handle(msg.handle())
+        })))
+    }
+
+    /// The host's handle, or `None` for a message built by hand.
+    fn host(&self) -> Option<&wit::Message> {
+        match &self.host {
+            Host::Local => None,
+            Host::Borrowed(m) => Some(m),
+            Host::Owned(m) => Some(m),
         }
     }
 
     /// Sets the group id (tests).
     pub fn with_group_id(mut self, group_id: impl Into<String>) -> Self {
-        self.inner.group_id = Some(group_id.into());
+        self.group_id = OnceCell::from(Some(group_id.into()));
         self
     }
 
     /// Sets the tenant id (tests).
     pub fn with_tenant_id(mut self, tenant_id: impl Into<String>) -> Self {
-        self.inner.tenant_id = Some(tenant_id.into());
+        self.tenant_id = OnceCell::from(Some(tenant_id.into()));
         self
     }
 
     /// Appends a header (tests).
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.inner.headers.push((name.into(), value.into()));
+        let _ = self.headers();
+        if let Some(h) = self.headers.get_mut() {
+            h.push((name.into(), value.into()));
+        }
         self
     }
 
     /// Sets the delivery attempt, 1 for the first delivery (tests).
     pub fn with_attempt(mut self, attempt: u32) -> Self {
-        self.inner.attempt = attempt;
+        self.attempt = OnceCell::from(attempt);
         self
     }
 
     /// Unique id of the message, stable across redeliveries.
     pub fn id(&self) -> &str {
-        &self.inner.id
+        self.id
+            .get_or_init(|| self.host().map(wit::Message::id).unwrap_or_default())
     }
 
     /// The routing type, e.g. `order.placed`.
     pub fn message_type(&self) -> &str {
-        &self.inner.message_type
+        self.message_type
+            .get_or_init(|| self.host().map(wit::Message::message_type).unwrap_or_default())
     }
 
     /// The group id; messages of one group never run concurrently. `None` means unordered
     /// (an empty group id is delivered as `None`).
     pub fn group_id(&self) -> Option<&str> {
-        self.inner.group_id.as_deref().filter(|g| !g.is_empty())
+        self.group_id
+            .get_or_init(|| self.host().and_then(wit::Message::group_id))
+            .as_deref()
+            .filter(|g| !g.is_empty())
     }
 
     /// The tenant the message belongs to, if any.
     pub fn tenant_id(&self) -> Option<&str> {
-        self.inner.tenant_id.as_deref()
+        self.tenant_id
+            .get_or_init(|| self.host().and_then(wit::Message::tenant_id))
+            .as_deref()
     }
 
     /// The first header named `name`, compared ASCII case-insensitively.
@@ -188,59 +252,85 @@ impl Message {
     /// The other headers as delivered, in delivery order. The message id, type, group, tenant
     /// and attempt are fields ([`Message::id`] and friends), not repeated here.
     pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.inner.headers.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+        self.headers
+            .get_or_init(|| self.host().map(wit::Message::headers).unwrap_or_default())
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
     }
 
     /// The body, untouched.
     pub fn payload(&self) -> &[u8] {
-        &self.inner.payload
+        self.payload
+            .get_or_init(|| self.host().map(wit::Message::payload).unwrap_or_default())
     }
 
     /// Takes the body out of the message, leaving it empty.
     pub fn take_payload(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.inner.payload)
+        let body = match self.payload.take() {
+            Some(body) => body,
+            None => self.host().map(wit::Message::payload).unwrap_or_default(),
+        };
+        self.payload = OnceCell::from(Vec::new());
+        body
     }
 
-    /// The delivery attempt: 1 on the first delivery, incremented on every retry.
+    /// The delivery attempt: 1 on the first delivery, incremented on every retry. Use it to
+    /// give up early or to back off in the handler's own logic.
     pub fn attempt(&self) -> u32 {
-        self.inner.attempt
+        *self
+            .attempt
+            .get_or_init(|| self.host().map_or(1, wit::Message::attempt))
     }
 
-    /// Decodes the payload as JSON.
-    ///
-    /// # Errors
-    /// A payload that does not decode as `T` is a [`Failure::reject`] whose text names `T` and
-    /// carries serde's error (line and column included): malformed input is permanent.
+    /// Decodes the payload as JSON. A payload that does not decode is **rejected** (poison):
+    /// the reason names the message type, the target type and serde's error.
     pub fn json<T: DeserializeOwned>(&self) -> Result<T, Failure> {
-        serde_json::from_slice(&self.inner.payload).map_err(|e| {
+        serde_json::from_slice(self.payload()).map_err(|e| {
             Failure::reject(format!(
                 "payload of {:?} is not a valid {}: {e}",
-                self.inner.message_type,
+                self.message_type(),
                 std::any::type_name::<T>()
             ))
         })
     }
 
-    /// The payload as UTF-8 text.
-    ///
-    /// # Errors
-    /// A payload that is not UTF-8 is a [`Failure::reject`].
+    /// The payload as UTF-8 text. A payload that is not UTF-8 is **rejected** (poison).
     pub fn text(&self) -> Result<&str, Failure> {
-        std::str::from_utf8(&self.inner.payload)
-            .map_err(|e| Failure::reject(format!("payload of {:?} is not UTF-8: {e}", self.inner.message_type)))
+        std::str::from_utf8(self.payload())
+            .map_err(|e| Failure::reject(format!("payload of {:?} is not UTF-8: {e}", self.message_type())))
+    }
+}
+
+/// A copy with every field read: it no longer depends on the host's handle.
+impl Clone for Message {
+    fn clone(&self) -> Self {
+        Message {
+            host: Host::Local,
+            id: OnceCell::from(self.id().to_owned()),
+            message_type: OnceCell::from(self.message_type().to_owned()),
+            group_id: OnceCell::from(self.group_id().map(str::to_owned)),
+            tenant_id: OnceCell::from(self.tenant_id().map(str::to_owned)),
+            headers: OnceCell::from(
+                self.headers()
+                    .map(|(n, v)| (n.to_owned(), v.to_owned()))
+                    .collect::<Vec<_>>(),
+            ),
+            payload: OnceCell::from(self.payload().to_vec()),
+            attempt: OnceCell::from(self.attempt()),
+        }
     }
 }
 
 impl fmt::Debug for Message {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Message")
-            .field("id", &self.inner.id)
-            .field("message_type", &self.inner.message_type)
-            .field("group_id", &self.inner.group_id)
-            .field("tenant_id", &self.inner.tenant_id)
-            .field("headers", &self.inner.headers)
-            .field("payload_len", &self.inner.payload.len())
-            .field("attempt", &self.inner.attempt)
+            .field("id", &self.id())
+            .field("message_type", &self.message_type())
+            .field("group_id", &self.group_id())
+            .field("tenant_id", &self.tenant_id())
+            .field("headers", &self.headers().collect::<Vec<_>>())
+            .field("payload_len", &self.payload().len())
+            .field("attempt", &self.attempt())
             .finish()
     }
 }
@@ -593,35 +683,40 @@ pub mod __private {
 
     pub use bindings::__weir_export_world;
 
-    use crate::{Handler, Message, wit};
+    use crate::{Handler, Host, Message, wit};
 
     /// Adapts a [`Handler`] to the generated `Guest` trait.
     pub struct Export<H>(core::marker::PhantomData<H>);
 
     impl<H: Handler> bindings::Guest for Export<H> {
-        fn handle(msg: wit::Message) -> Result<(), wit::Failure> {
-            H::handle(Message { inner: msg }).map_err(wit::Failure::from)
+        fn handle(msg: &wit::Message) -> Result<(), wit::Failure> {
+            H::handle(Message::borrowed(msg)).map_err(wit::Failure::from)
         }
 
-        fn handle_batch(batch: Vec<wit::Message>) -> Vec<Result<(), wit::Failure>> {
-            let expected = batch.len();
-            let batch = batch.into_iter().map(|inner| Message { inner }).collect();
-            let results = H::handle_batch(batch);
-            if results.len() != expected {
-                let reason = format!(
-                    "handle_batch returned {} results for {expected} messages",
-                    results.len()
-                );
-                return vec![Err(wit::Failure::Retry(reason)); expected];
-            }
-            results.into_iter().map(|r| r.map_err(wit::Failure::from)).collect()
+        fn handle_batch(batch: &wit::Batch) -> Vec<Result<(), wit::Failure>> {
+            let members = (0..batch.len()).map(|i| Message::from_host(Host::Owned(batch.member(i))));
+            handle_batch::<H>(members.collect())
         }
+    }
+
+    /// [`Handler::handle_batch`], with the length of its answer checked.
+    pub(crate) fn handle_batch<H: Handler>(batch: Vec<Message>) -> Vec<Result<(), wit::Failure>> {
+        let expected = batch.len();
+        let results = H::handle_batch(batch);
+        if results.len() != expected {
+            let reason = format!(
+                "handle_batch returned {} results for {expected} messages",
+                results.len()
+            );
+            return vec![Err(wit::Failure::Retry(reason)); expected];
+        }
+        results.into_iter().map(|r| r.map_err(wit::Failure::from)).collect()
     }
 }
 
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod tests {
-    use super::__private::{Export, bindings::Guest};
+    use super::__private::handle_batch;
     use super::*;
 
     #[derive(Debug)]
@@ -726,8 +821,8 @@ mod tests {
         }
     }
 
-    fn wit_message(message_type: &str) -> wit::Message {
-        Message::new("m", message_type, "").inner
+    fn wit_message(message_type: &str) -> Message {
+        Message::new("m", message_type, "")
     }
 
     struct Publisher;
@@ -744,23 +839,44 @@ mod tests {
     #[test]
     fn the_default_batch_loop_attributes_each_publish_to_its_member() {
         testing::reset();
-        let results =
-            <Export<Publisher> as Guest>::handle_batch(vec![wit_message("ok"), wit_message("bad"), wit_message("ok")]);
+        let results = handle_batch::<Publisher>(vec![wit_message("ok"), wit_message("bad"), wit_message("ok")]);
         assert!(results[0].is_ok() && results[1].is_err() && results[2].is_ok());
         let members: Vec<_> = testing::take_published().into_iter().map(|p| p.member).collect();
         assert_eq!(members, [Some(0), Some(1), Some(2)]);
         // A single call names no member.
         testing::start_call();
-        <Export<Publisher> as Guest>::handle(wit_message("ok")).unwrap();
+        Publisher::handle(wit_message("ok")).unwrap();
         assert_eq!(testing::take_published()[0].member, None);
+    }
+
+    #[test]
+    fn a_message_built_by_hand_reads_like_a_delivered_one() {
+        let mut m = Message::new("m-1", "order.placed", "{}")
+            .with_group_id("g")
+            .with_header("X-Trace", "t")
+            .with_attempt(3);
+        assert_eq!(
+            (m.id(), m.message_type(), m.group_id(), m.attempt()),
+            ("m-1", "order.placed", Some("g"), 3)
+        );
+        assert_eq!(m.header("x-trace"), Some("t"));
+        let copy = m.clone();
+        assert_eq!(m.take_payload(), b"{}");
+        assert!(m.payload().is_empty(), "taken");
+        assert_eq!(copy.payload(), b"{}", "a clone keeps its own payload");
+        assert_eq!(
+            Message::new("m", "t", "").with_group_id("").group_id(),
+            None,
+            "empty is none"
+        );
     }
 
     #[test]
     fn adapter_maps_failures_and_guards_the_batch_length() {
         assert!(
-            matches!(<Export<Short> as Guest>::handle(wit_message("bad")), Err(wit::Failure::Reject(r)) if r == "bad")
+            matches!(Short::handle(wit_message("bad")).map_err(wit::Failure::from), Err(wit::Failure::Reject(r)) if r == "bad")
         );
-        let results = <Export<Short> as Guest>::handle_batch(vec![wit_message("a"), wit_message("b")]);
+        let results = handle_batch::<Short>(vec![wit_message("a"), wit_message("b")]);
         assert_eq!(results.len(), 2);
         for result in results {
             assert!(

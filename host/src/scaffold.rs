@@ -62,8 +62,12 @@ impl Lang {
 /// The SDK's version, as vendored.
 const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// The WIT of the contract (the guest SDK binds this copy).
+/// The WIT the Rust SDK binds (0.3.0: the message as a host-owned resource).
 const WIT: &str = include_str!("../../guest-sdk/wit/handler.wit");
+
+/// The WIT the Python and JavaScript templates bind (0.2.0: the message as
+/// a record), until their shims move to 0.3.0.
+const WIT_RECORD: &str = include_str!("../../wit/handler.wit");
 
 /// (path in the project, template); `{{name}}` and `{{sdk_version}}` are filled in.
 const RUST: [(&str, &str); 9] = [
@@ -99,7 +103,7 @@ const PYTHON: [(&str, &str); 8] = [
     ("README.md", include_str!("../templates/python/README.md.tmpl")),
     (".gitignore", include_str!("../templates/python/gitignore.tmpl")),
     ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
-    ("wit/handler.wit", WIT),
+    ("wit/handler.wit", WIT_RECORD),
 ];
 
 /// (path in the project, template); `{{name}}` and `{{componentize_js}}` are filled in.
@@ -119,7 +123,7 @@ const JS: [(&str, &str); 10] = [
     ("README.md", include_str!("../templates/js/README.md.tmpl")),
     (".gitignore", include_str!("../templates/js/gitignore.tmpl")),
     ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
-    ("wit/handler.wit", WIT),
+    ("wit/handler.wit", WIT_RECORD),
 ];
 
 /// A project name: what Cargo, PyPI and npm all accept.

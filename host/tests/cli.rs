@@ -253,10 +253,12 @@ fn inspect_names_world_version_imports_and_exports() {
     let (code, out, err) = weir(&["inspect", faulty.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
     let bytes = std::fs::read(faulty).unwrap();
-    assert!(out.contains("world    weir:handler/handler@0.2.0"), "{out}");
+    assert!(out.contains("world    weir:handler/handler@0.3.0"), "{out}");
     assert!(out.contains(&format!("size     {} bytes", bytes.len())), "{out}");
     assert!(
-        out.contains("weir:handler/host@0.2.0") && out.contains("handle, handle-batch"),
+        out.contains("weir:handler/host@0.3.0")
+            && out.contains("weir:handler/types@0.3.0")
+            && out.contains("handle, handle-batch"),
         "{out}"
     );
     let legacy = faulty.with_file_name("weir_test_legacy.wasm");

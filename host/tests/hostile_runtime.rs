@@ -635,3 +635,37 @@ fn moves_to_the_background(bad_type: &str) {
         "the good tenant's calls ran on {good:?}"
     );
 }
+
+/// Issue 34: a 0.3.0 message handle a guest kept past its call (a `handle-batch` member)
+/// reads nothing of a later call: using it traps, naming why. Red baseline
+/// (`negative_control_unchecked_handles`): unchecked, it reads the later call's message.
+#[test]
+fn a_message_handle_kept_from_an_earlier_call_traps() {
+    for unchecked in [false, true] {
+        let rt = Runtime::new(common::cached(RuntimeOptions {
+            max_memory: 64 << 20,
+            pool_instances: 16,
+            negative_control_unchecked_handles: unchecked,
+            ..RuntimeOptions::default()
+        }))
+        .expect("runtime starts");
+        let v = load(&rt, HandlerSettings::new("keeper"));
+        let mut exec = Executor::new(rt);
+        match exec.call_batch(&v, &[message("batch.hostile.keep-handle", Some("g"), b"first")], &None) {
+            BatchOutcome::Done { results, .. } => assert!(results[0].is_ok(), "{results:?}"),
+            BatchOutcome::Fault(f) => panic!("keeping a handle faulted: {f}"),
+        }
+        let later = exec.call(&v, &message("hostile.use-kept", Some("g"), b"a later secret"), &None);
+        if unchecked {
+            let (result, _) = done(later);
+            assert!(
+                matches!(&result, Err(Failure::Reject(t)) if t.contains("a later secret")),
+                "the red baseline reads the later call's message: {result:?}"
+            );
+        } else {
+            let f = fault(later);
+            assert_eq!(f.kind, FaultKind::Trap, "{f}");
+            assert!(f.detail.contains("outside the call it was given to"), "{f}");
+        }
+    }
+}

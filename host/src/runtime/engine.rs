@@ -16,7 +16,7 @@ use super::instance::{CacheMap, Instance};
 use super::options::{EPOCH_TICK, RuntimeOptions, cut_text};
 use super::settings::HandlerSettings;
 use super::version::{HandlerVersion, NEXT_VERSION, Pre};
-use crate::bindings::{Handler, HandlerPre, v0_1};
+use crate::bindings::{Handler, HandlerPre, v0_1, v0_3};
 use crate::observe::CallObserver;
 
 /// A compile in progress: a line when it starts (a large component takes
@@ -137,6 +137,9 @@ impl Runtime {
         v0_1::Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(anyhow::Error::from)
             .context("linking weir:handler/host@0.1.0")?;
+        v0_3::Handler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
+            .map_err(anyhow::Error::from)
+            .context("linking weir:handler/host@0.3.0")?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (e, stop) = (engine.clone(), ticker_stop.clone());
@@ -213,11 +216,14 @@ impl Runtime {
         let pre = pre
             .and_then(|pre| match HandlerPre::new(pre.clone()) {
                 Ok(v2) => Ok(Pre::V2(v2)),
-                Err(e) => v0_1::HandlerPre::new(pre).map(Pre::V1).map_err(|_| e.into()),
+                Err(e) => v0_3::HandlerPre::new(pre.clone())
+                    .map(Pre::V3)
+                    .or_else(|_| v0_1::HandlerPre::new(pre).map(Pre::V1))
+                    .map_err(|_| e.into()),
             })
             .with_context(|| {
                 format!(
-                    "{origin} does not implement the weir:handler/handler world, version 0.2.0 or 0.1.0 \
+                    "{origin} does not implement the weir:handler/handler world, version 0.3.0, 0.2.0 or 0.1.0 \
                      (imports or exports differ)"
                 )
             })?;

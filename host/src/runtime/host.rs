@@ -15,11 +15,15 @@ use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
+use wasmtime::component::Resource;
+
 use super::stdio::CallLog;
 use super::{CallBudgets, HandlerSettings};
+use crate::bindings::v0_3::weir::handler::types::{Host as TypesHostV3, HostBatch, HostMessage};
 use crate::bindings::weir::handler::host::Host;
 use crate::bindings::weir::handler::types::{Host as TypesHost, Level};
-use crate::envelope::{self, Envelope};
+use crate::bindings::{BatchRef, MessageRef};
+use crate::envelope::{self, Envelope, header};
 
 /// A message published by a guest during the current call.
 #[derive(Debug, Clone)]
@@ -79,6 +83,8 @@ pub struct HostState {
     pub(crate) cascade_bytes: usize,
     /// Set when a `publish` of the current call was refused for the cascade byte budget.
     pub(crate) cascade_refused: Option<String>,
+    /// The current call's messages, for the 0.3.0 world's handles.
+    pub(crate) messages: super::message::CallMessages,
 }
 
 /// Why the host stopped a running call.
@@ -125,6 +131,7 @@ impl HostState {
             log,
             cascade_bytes: 0,
             cascade_refused: None,
+            messages: Default::default(),
         }
     }
 
@@ -332,6 +339,117 @@ impl crate::bindings::v0_1::weir::handler::host::Host for HostState {
 
     fn config(&mut self, key: String) -> wasmtime::Result<Option<String>> {
         Host::config(self, key)
+    }
+}
+
+/// The 0.3.0 world's imports: the same as 0.2.0's, over its own `level`.
+impl crate::bindings::v0_3::weir::handler::host::Host for HostState {
+    fn log(&mut self, level: crate::bindings::v0_3::weir::handler::types::Level, text: String) -> wasmtime::Result<()> {
+        use crate::bindings::v0_3::weir::handler::types::Level as L3;
+        let level = match level {
+            L3::Trace => Level::Trace,
+            L3::Debug => Level::Debug,
+            L3::Info => Level::Info,
+            L3::Warn => Level::Warn,
+            L3::Error => Level::Error,
+        };
+        Host::log(self, level, text)
+    }
+
+    fn publish(
+        &mut self,
+        message_type: String,
+        group_id: Option<String>,
+        headers: Vec<(String, String)>,
+        payload: Vec<u8>,
+    ) -> wasmtime::Result<Result<(), String>> {
+        Host::publish(self, message_type, group_id, headers, payload)
+    }
+
+    fn begin_member(&mut self, index: u32) -> wasmtime::Result<()> {
+        Host::begin_member(self, index)
+    }
+
+    fn config(&mut self, key: String) -> wasmtime::Result<Option<String>> {
+        Host::config(self, key)
+    }
+}
+
+/// The 0.3.0 world's resources: accessors of the call's messages (see
+/// `super::message`).
+impl TypesHostV3 for HostState {}
+
+impl HostMessage for HostState {
+    fn id(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<String> {
+        Ok(self.messages.get(m.rep())?.id.clone())
+    }
+
+    fn message_type(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<String> {
+        Ok(self.messages.get(m.rep())?.message_type.clone())
+    }
+
+    fn group_id(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<Option<String>> {
+        Ok(self.messages.get(m.rep())?.group_id.clone())
+    }
+
+    fn tenant_id(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<Option<String>> {
+        Ok(self.messages.get(m.rep())?.tenant_id.clone())
+    }
+
+    fn attempt(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<u32> {
+        Ok(self.messages.get(m.rep())?.attempt)
+    }
+
+    fn header(&mut self, m: Resource<MessageRef>, name: String) -> wasmtime::Result<Option<String>> {
+        let msg = self.messages.get(m.rep())?;
+        // The five the accessors carry answer by name too, as delivered.
+        Ok(match name.as_str() {
+            header::MESSAGE_ID => Some(msg.id.clone()),
+            header::MESSAGE_TYPE => Some(msg.message_type.clone()),
+            header::GROUP_ID => msg.group_id.clone(),
+            header::TENANT_ID => msg.tenant_id.clone(),
+            header::ATTEMPT => Some(msg.attempt.to_string()),
+            _ => msg.headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone()),
+        })
+    }
+
+    fn headers(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<Vec<(String, String)>> {
+        Ok(self.messages.get(m.rep())?.headers.clone())
+    }
+
+    fn payload(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<Vec<u8>> {
+        Ok(self.messages.get(m.rep())?.payload.clone())
+    }
+
+    fn payload_len(&mut self, m: Resource<MessageRef>) -> wasmtime::Result<u64> {
+        Ok(u64::try_from(self.messages.get(m.rep())?.payload.len()).unwrap_or(u64::MAX))
+    }
+
+    fn drop(&mut self, _m: Resource<MessageRef>) -> wasmtime::Result<()> {
+        // The host owns the message: a guest's handle going away frees nothing.
+        Ok(())
+    }
+}
+
+impl HostBatch for HostState {
+    fn len(&mut self, b: Resource<BatchRef>) -> wasmtime::Result<u32> {
+        self.messages.get(b.rep())?;
+        Ok(u32::try_from(self.messages.len()).unwrap_or(u32::MAX))
+    }
+
+    fn member(&mut self, b: Resource<BatchRef>, index: u32) -> wasmtime::Result<Resource<MessageRef>> {
+        self.messages.get(b.rep())?;
+        if index as usize >= self.messages.len() {
+            return Err(wasmtime::format_err!(
+                "batch.member({index}): the batch has {} member(s), so the index must be below that",
+                self.messages.len()
+            ));
+        }
+        Ok(Resource::new_own(self.messages.rep(index)))
+    }
+
+    fn drop(&mut self, _b: Resource<BatchRef>) -> wasmtime::Result<()> {
+        Ok(())
     }
 }
 

@@ -19,6 +19,7 @@ impl Instance {
     pub(super) fn new(engine: &Engine, version: &HandlerVersion, options: &RuntimeOptions) -> anyhow::Result<Self> {
         let budgets = version.settings.budgets.unwrap_or(options.budgets);
         let mut store = Store::new(engine, HostState::new(version.settings.clone(), budgets));
+        store.data_mut().messages.unchecked = options.negative_control_unchecked_handles;
         if options.fuel {
             // Instantiation (start functions) is metered like a call.
             store

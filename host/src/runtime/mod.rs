@@ -11,7 +11,7 @@
 //! [`Runtime`]: engine, linker, epoch ticker, loading), [`call`] (what a call returns),
 //! [`instance`] (an instance and a worker's cache of them), [`interrupt`] (a runner's calls,
 //! interrupted together), [`executor`] (calls on a worker thread), [`pool`] (the worker threads),
-//! `host` and [`stdio`] (the host imports), [`trap_text`] (what a trap's error says),
+//! `host`, `message` (0.3.0's message resource) and [`stdio`] (the host imports), [`trap_text`] (what a trap's error says),
 //! [`grants`] (pinned directories),
 //! [`bundled`] (the guests shipped in the binary).
 
@@ -25,6 +25,7 @@ pub mod grants;
 mod host;
 pub mod instance;
 pub mod interrupt;
+mod message;
 pub mod options;
 pub mod pool;
 pub mod settings;

@@ -54,6 +54,10 @@ pub struct RuntimeOptions {
     pub demote_after: Option<Duration>,
     /// What one call may produce besides its answer: cascade bytes, log, error text.
     pub budgets: CallBudgets,
+    /// A red baseline for tests: a 0.3.0 message handle kept from an earlier
+    /// call is not checked against the call being run, so it reads that
+    /// call's message. Never set outside tests.
+    pub negative_control_unchecked_handles: bool,
 }
 
 /// Per-call budgets for what a guest hands the host (`[node.budgets]`; defaults in
@@ -153,6 +157,7 @@ impl Default for RuntimeOptions {
             fuel: false,
             demote_after: Some(DEMOTE_AFTER),
             budgets: CallBudgets::default(),
+            negative_control_unchecked_handles: false,
         }
     }
 }

@@ -5,11 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use wasmtime::Store;
+use wasmtime::component::Resource;
 
 use super::host::HostState;
+use super::message::{CallMessages, lend};
 use super::settings::{HandlerSettings, TenantShare};
 use crate::bindings::weir::handler::types::Failure;
-use crate::bindings::{Handler, HandlerPre, v0_1};
+use crate::bindings::{Handler, HandlerPre, v0_1, v0_3};
 use crate::envelope::Envelope;
 
 pub(super) static NEXT_VERSION: AtomicU64 = AtomicU64::new(1);
@@ -48,6 +50,8 @@ pub struct HandlerVersion {
 /// A version's instantiation, by the world it was built against.
 #[derive(Clone)]
 pub(super) enum Pre {
+    /// `weir:handler@0.3.0`: the message as a host-owned resource.
+    V3(v0_3::HandlerPre<HostState>),
     /// `weir:handler@0.2.0`.
     V2(HandlerPre<HostState>),
     /// `weir:handler@0.1.0`: no `begin-member`.
@@ -57,14 +61,17 @@ pub(super) enum Pre {
 impl Pre {
     pub(super) fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Bindings> {
         match self {
+            Pre::V3(pre) => pre.instantiate(store).map(Bindings::V3),
             Pre::V2(pre) => pre.instantiate(store).map(Bindings::V2),
             Pre::V1(pre) => pre.instantiate(store).map(Bindings::V1),
         }
     }
 }
 
-/// An instance's exports, by world; the message and result types are shared.
+/// An instance's exports, by world; the result types are shared (0.3.0's
+/// converted), and a 0.3.0 call reads the messages through handles.
 pub(super) enum Bindings {
+    V3(v0_3::Handler),
     V2(Handler),
     V1(v0_1::Handler),
 }
@@ -76,6 +83,10 @@ impl Bindings {
         msg: &Envelope,
     ) -> wasmtime::Result<Result<(), Failure>> {
         match self {
+            Bindings::V3(b) => lend(store, messages_of, std::slice::from_ref(msg), |store| {
+                let handle = Resource::new_borrow(store.data().messages.rep(0));
+                b.call_handle(&mut *store, handle).map(|r| r.map_err(failure))
+            }),
             Bindings::V2(b) => b.call_handle(store, msg),
             Bindings::V1(b) => b.call_handle(store, msg),
         }
@@ -87,9 +98,28 @@ impl Bindings {
         batch: &[Envelope],
     ) -> wasmtime::Result<Vec<Result<(), Failure>>> {
         match self {
+            Bindings::V3(b) => lend(store, messages_of, batch, |store| {
+                let handle = Resource::new_borrow(store.data().messages.rep(0));
+                b.call_handle_batch(&mut *store, handle)
+                    .map(|rs| rs.into_iter().map(|r| r.map_err(failure)).collect())
+            }),
             Bindings::V2(b) => b.call_handle_batch(store, batch),
             Bindings::V1(b) => b.call_handle_batch(store, batch),
         }
+    }
+}
+
+/// Where a store keeps its call's messages.
+fn messages_of(store: &mut Store<HostState>) -> &mut CallMessages {
+    &mut store.data_mut().messages
+}
+
+/// A 0.3.0 failure as the host's (the same variant, its own type).
+fn failure(f: v0_3::weir::handler::types::Failure) -> Failure {
+    use v0_3::weir::handler::types::Failure as F3;
+    match f {
+        F3::Retry(why) => Failure::Retry(why),
+        F3::Reject(why) => Failure::Reject(why),
     }
 }
 

@@ -14,13 +14,36 @@
 //! | `hostile.retry-bytes`     | bytes          | retries with a multi-line text of that size          |
 //! | `hostile.panic-bytes`     | bytes          | panics with a message of that size                   |
 //! | `hostile.forge-cascade`   | type           | cascades that type (same group, payload of header `x-cascade-payload`) carrying forged `weir-*` provenance and the pin of header `x-pin` |
+//! | `batch.hostile.keep-handle` | -            | in `handle-batch`: keeps the member (its 0.3.0 handle, unread) past the call, answers `Ok` |
+//! | `hostile.use-kept`        | -              | reads the payload of the member kept last; rejects with what it read |
 
+use std::cell::RefCell;
 use std::time::Duration;
 
 use weir_guest::{Failure, Message};
 
+thread_local! {
+    /// A batch member kept past its call (`batch.hostile.keep-handle`).
+    static KEPT: RefCell<Option<Message>> = const { RefCell::new(None) };
+}
+
+/// Keep `msg` (and its host handle) past the call it was given to.
+pub fn keep(msg: Message) {
+    KEPT.with(|k| *k.borrow_mut() = Some(msg));
+}
+
 /// Handle a `hostile.` type (`kind` is the part after the prefix).
 pub fn handle(kind: &str, msg: &Message) -> Result<(), Failure> {
+    if kind == "use-kept" {
+        let kept = KEPT.with(|k| k.borrow_mut().take());
+        return match kept {
+            Some(m) => Err(Failure::reject(format!(
+                "read a kept handle: {}",
+                String::from_utf8_lossy(m.payload())
+            ))),
+            None => Err(Failure::reject("hostile.use-kept: nothing was kept")),
+        };
+    }
     let text = msg.text()?.trim().to_owned();
     let number = |t: &str| -> Result<usize, Failure> {
         t.parse()

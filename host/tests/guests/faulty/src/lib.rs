@@ -97,6 +97,15 @@ impl Handler for Faulty {
         if batch.iter().any(|m| matches!(m.message_type(), "trap" | "batch.trap")) {
             panic!("batch trap requested by test");
         }
+        if batch.iter().any(|m| m.message_type() == "batch.hostile.keep-handle") {
+            let n = batch.len();
+            for m in batch {
+                if m.message_type() == "batch.hostile.keep-handle" {
+                    hostile::keep(m);
+                }
+            }
+            return vec![Ok(()); n];
+        }
         if witbatch::is_legacy(&batch) {
             return witbatch::legacy_batch(batch);
         }
