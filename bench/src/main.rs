@@ -551,11 +551,19 @@ fn bare_batch(rt: &Arc<Runtime>, size: usize, messages: u64, runs: usize, name: 
 
 // ----------------------------------------------------------------- e2e ---
 
+/// The noop handler's component: the file `WEIR_BENCH_NOOP` names (a noop
+/// built against an older WIT, to compare two worlds through one host
+/// binary), else the bundled one.
+fn noop_component() -> String {
+    std::env::var("WEIR_BENCH_NOOP").unwrap_or_else(|_| "bundled:noop".into())
+}
+
 fn bench_config(slots: u32, prefetch: u32, mode: config::InstanceMode, batch: Option<u32>) -> Config {
+    let noop = noop_component();
     let mut handler = match batch {
-        None => config::Handler::new("noop", "bundled:noop", TOPOLOGY, vec![MESSAGE_TYPE.into()]),
+        None => config::Handler::new("noop", &noop, TOPOLOGY, vec![MESSAGE_TYPE.into()]),
         Some(size) => {
-            let mut h = config::Handler::new("noop", "bundled:noop", TOPOLOGY, Vec::new());
+            let mut h = config::Handler::new("noop", &noop, TOPOLOGY, Vec::new());
             h.batch = Some(config::Batch {
                 message_types: vec![MESSAGE_TYPE.into()],
                 size,
