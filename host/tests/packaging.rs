@@ -55,6 +55,11 @@ fn the_systemd_unit_verifies() {
         unit.contains("KillSignal=SIGTERM") && unit.contains("weir run --config"),
         "{unit}"
     );
+    // It needs no user made by hand: systemd makes one that owns only the state directory.
+    assert!(
+        unit.contains("DynamicUser=yes") && unit.contains("StateDirectory=weir") && !unit.contains("User=weir"),
+        "{unit}"
+    );
     let (code, said) = verify_unit(&unit, scratch.path());
     assert!(
         code == 0 && said.trim().is_empty(),
