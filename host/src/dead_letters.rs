@@ -417,20 +417,32 @@ fn table(views: &[LetterView]) -> String {
     out
 }
 
-async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::Result<ExitCode> {
-    let mut o = String::new();
+/// The topology's letters that match `filter` (the first `limit` of them,
+/// `full`: with headers and payload), with how many were read and matched.
+async fn read_views(
+    common: &Common,
+    filter: &Filter,
+    limit: Option<usize>,
+    full: bool,
+) -> anyhow::Result<(Target, Vec<LetterView>, u64, usize)> {
     let t = target(common).await?;
     let (bar, progress) = bar();
-    let selection = select(&t, &filter, &progress).await?;
+    let selection = select(&t, filter, &progress).await?;
     bar.finish_and_clear();
     let views: Vec<LetterView> = selection
         .selected
         .iter()
         .take(limit.unwrap_or(usize::MAX))
-        .map(|l| LetterView::of(l, t.slots, false))
+        .map(|l| LetterView::of(l, t.slots, full))
         .collect();
     let (read, matched) = (selection.read, selection.selected.len());
     selection.close().await;
+    Ok((t, views, read, matched))
+}
+
+async fn list(common: &Common, filter: Filter, limit: Option<usize>) -> anyhow::Result<ExitCode> {
+    let mut o = String::new();
+    let (t, views, read, matched) = read_views(common, &filter, limit, false).await?;
     if common.json {
         let out = serde_json::json!({
             "topology": t.name, "system": t.transport.system(), "read": read, "matched": matched, "letters": views,
@@ -477,17 +489,7 @@ fn tally<'a>(values: impl Iterator<Item = Option<&'a str>>, top: usize) -> Vec<(
 
 async fn summary(common: &Common, filter: Filter, top: usize) -> anyhow::Result<ExitCode> {
     let mut o = String::new();
-    let t = target(common).await?;
-    let (bar, progress) = bar();
-    let selection = select(&t, &filter, &progress).await?;
-    bar.finish_and_clear();
-    let views: Vec<LetterView> = selection
-        .selected
-        .iter()
-        .map(|l| LetterView::of(l, t.slots, false))
-        .collect();
-    let (read, matched) = (selection.read, selection.selected.len());
-    selection.close().await;
+    let (t, views, read, matched) = read_views(common, &filter, None, false).await?;
     let top = top.max(1);
     let columns: [(&str, Vec<(String, usize)>); 4] = [
         ("reason", tally(views.iter().map(|v| v.reason.as_deref()), top)),
@@ -539,17 +541,7 @@ async fn summary(common: &Common, filter: Filter, top: usize) -> anyhow::Result<
 
 async fn show(common: &Common, filter: Filter) -> anyhow::Result<ExitCode> {
     let mut o = String::new();
-    let t = target(common).await?;
-    let (bar, progress) = bar();
-    let selection = select(&t, &filter, &progress).await?;
-    bar.finish_and_clear();
-    let views: Vec<LetterView> = selection
-        .selected
-        .iter()
-        .map(|l| LetterView::of(l, t.slots, true))
-        .collect();
-    let read = selection.read;
-    selection.close().await;
+    let (t, views, read, _) = read_views(common, &filter, None, true).await?;
     if common.json {
         outln!(o, "{}", serde_json::to_string_pretty(&views)?);
     } else if views.is_empty() {
