@@ -22,7 +22,7 @@ use weir::config::{self, Config, TransportKind};
 use weir::envelope::{Envelope, Wire, header};
 use weir::node::{Node, NodeOptions};
 use weir::observe::CallObserver;
-use weir::outcome::{Outcome, SettleObserver};
+use weir::outcome::{Outcome, Reason, SettleObserver};
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 
@@ -434,6 +434,8 @@ pub struct Printer {
     /// Messages whose call returned and which are not settled yet: what is
     /// published meanwhile is their cascades.
     settling: Mutex<HashSet<String>>,
+    /// Cascades published and not settled yet, by id: their type.
+    cascades: Mutex<HashMap<String, String>>,
 }
 
 impl Printer {
@@ -444,6 +446,9 @@ impl Printer {
         let payload = crate::call::show_payload(&wire.body);
         let cascade = self.settling.lock().map(|s| !s.is_empty()).unwrap_or(false);
         if cascade {
+            if let Ok(mut c) = self.cascades.lock() {
+                c.insert(id.to_owned(), kind.to_owned());
+            }
             println!("  cascade  {kind}  group {group}  {payload}");
         } else {
             println!("{id}  {kind}  group {group}  queued  {payload}");
@@ -494,7 +499,17 @@ impl SettleObserver for Printer {
             .map(|d| format!("  ({:.2} ms)", d.as_secs_f64() * 1e3))
             .unwrap_or_default();
         let error = seen.error.as_ref().map(|(e, _)| e.as_str()).unwrap_or("");
+        let cascade = self.cascades.lock().ok().and_then(|mut c| c.remove(id));
         match outcome {
+            // A cascade nothing consumes is not a failure of the handler that
+            // published it: say what it is.
+            Outcome::DeadLettered(Reason::NoHandler) if seen.started.is_none() && cascade.is_some() => {
+                let kind = cascade.unwrap_or_default();
+                println!(
+                    "  cascade  {kind}  published, no consumer: no handler here takes `{kind}` \
+                     (kept as a no-handler dead letter; bind it with a [[handler]] to run it)"
+                );
+            }
             Outcome::Handled => println!("  outcome  ok{took}"),
             Outcome::RetryScheduled => {
                 let when = seen

@@ -219,3 +219,27 @@ fn dev_without_a_config_asks_for_the_message_types() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("has no weir.toml") && err.contains("--type"), "{err}");
 }
+
+/// Issue 36 item 1: a cascade no handler takes shows in `weir dev` as what it is (published, no
+/// consumer), not as a failure of the handler that published it.
+#[test]
+fn a_cascade_without_a_consumer_is_shown_as_such() {
+    let scratch = tempfile::tempdir().unwrap();
+    weir(scratch.path(), &["new", "rust", "lone"]);
+    let project = scratch.path().join("lone");
+    // Unbind the template's own cascade.
+    edit(
+        &project.join("weir.toml"),
+        r#"message_types = ["greeting", "greeted"]"#,
+        r#"message_types = ["greeting"]"#,
+    );
+    let mut dev = Dev::start(&project, free_port());
+    dev.until("watching", Duration::from_secs(600));
+    dev.type_line(r#"greeting group=g-1 {"name":"Ada"}"#);
+    dev.until("outcome  ok", Duration::from_secs(60));
+    let line = dev.until("published, no consumer", Duration::from_secs(10));
+    assert!(
+        line.contains("cascade  greeted  published, no consumer: no handler here takes `greeted`"),
+        "{line}"
+    );
+}
