@@ -93,6 +93,8 @@ pub struct DeadLetter {
 /// Everything the soak knows.
 #[derive(Debug, Default)]
 pub struct Ledger {
+    /// Wall-clock ns of each kill -9 the chaos loop made.
+    pub kills: Vec<u128>,
     /// Confirmed publishes by id.
     pub published: HashMap<String, Published>,
     /// Publishes whose confirm never came (may or may not be on the broker).
@@ -240,6 +242,19 @@ impl Ledger {
                 .filter_map(|(id, p)| first.get(id.as_str()).map(|s| s.saturating_sub(p.at)))
                 .collect(),
         );
+        // The messages published in the AFTER_KILL after a kill -9: what a
+        // publisher meets while the cluster takes over the dead node's share.
+        let after_kill = Latency::of(
+            self.published
+                .iter()
+                .filter(|(_, p)| {
+                    self.kills
+                        .iter()
+                        .any(|k| p.at >= *k && p.at - *k < AFTER_KILL.as_nanos())
+                })
+                .filter_map(|(id, p)| first.get(id.as_str()).map(|s| s.saturating_sub(p.at)))
+                .collect(),
+        );
         Verdict {
             published: self.published.len(),
             handled: self.published.keys().filter(|id| self.handled.contains(*id)).count(),
@@ -254,6 +269,7 @@ impl Ledger {
             unconfirmed_handled,
             malformed: self.malformed,
             latency,
+            after_kill,
         }
     }
 }
@@ -296,7 +312,12 @@ pub struct Verdict {
     pub malformed: u64,
     /// Publish → first call start, over the handled messages.
     pub latency: Option<Latency>,
+    /// The same, over the messages published within [`AFTER_KILL`] after a kill -9.
+    pub after_kill: Option<Latency>,
 }
+
+/// How long after a kill -9 a publish counts as "after a kill".
+pub const AFTER_KILL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A distribution of publish → first call start.
 #[derive(Debug, Clone, Copy, PartialEq)]

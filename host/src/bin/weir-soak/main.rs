@@ -260,6 +260,14 @@ impl FaultKind {
     }
 }
 
+/// Now, in ns since the Unix epoch (the ledger's clock).
+fn wall_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
 fn parse_range(s: &str) -> Result<(u64, u64), String> {
     let (a, b) = s
         .split_once("..")
@@ -509,6 +517,7 @@ impl Chaos {
                 self.update_status();
                 self.events.say(&format!("fault kill-9 {}", n.name));
                 n.kill().await;
+                self.ledger.lock().kills.push(wall_ns());
                 let pause = self.secs(0.2, 3.0);
                 tokio::time::sleep(pause).await;
                 self.start_node().await?;
@@ -1155,6 +1164,16 @@ async fn soak(
             l.p50, l.p99, l.max, l.count
         ));
     }
+    if let Some(l) = v.after_kill {
+        out.push_str(&format!(
+            "    within {}s after a kill -9   p50 {:.3}s, p99 {:.3}s, max {:.3}s ({} messages)\n",
+            ledger::AFTER_KILL.as_secs(),
+            l.p50,
+            l.p99,
+            l.max,
+            l.count
+        ));
+    }
     out.push_str(&format!("  lost                           {}\n", v.lost.len()));
     out.push_str(&format!("  intra-group overlaps           {}\n", v.overlaps.len()));
     out.push_str(&format!(
@@ -1240,6 +1259,8 @@ async fn soak(
         "first_call_p50_s": v.latency.map(|l| l.p50),
         "first_call_p99_s": v.latency.map(|l| l.p99),
         "first_call_max_s": v.latency.map(|l| l.max),
+        "after_kill_first_call_p99_s": v.after_kill.map(|l| l.p99),
+        "after_kill_first_call_max_s": v.after_kill.map(|l| l.max),
         "published": v.published,
         "handled": v.handled,
         "lost": v.lost.len(),
