@@ -168,3 +168,33 @@ fn negative_control_no_drain_reports_overlaps() {
 fn negative_control_no_drain_reports_overlaps_on_nats_kv() {
     reports_overlaps(14_005, "nats-kv");
 }
+
+/// Issue 33 item 7: the soak through the topology's ingress (each node
+/// forwards to the slots), with kill -9 as the only fault: nothing lost,
+/// no overlap, nothing dead-lettered, no slot stuck. The time after a kill
+/// is measured by hand (docs/RELIABILITY.md), never asserted here.
+#[test]
+fn soak_nats_kv_through_the_ingress_under_kill_9() {
+    passes(
+        "nats",
+        14_005,
+        &[
+            "--cluster",
+            "nats-kv",
+            "--ingress",
+            "--faults",
+            "kill-9",
+            "--fault-gap",
+            "4..8",
+        ],
+    );
+}
+
+#[test]
+fn soak_rabbitmq_through_the_ingress_under_kill_9() {
+    passes(
+        "rabbitmq",
+        14_006,
+        &["--ingress", "--faults", "kill-9", "--fault-gap", "4..8"],
+    );
+}
