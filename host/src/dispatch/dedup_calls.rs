@@ -27,8 +27,8 @@ use crate::settle::decide::remember;
 use crate::settle::{Pending, Slot};
 use crate::transport::Disposition;
 
-use super::call_each;
 use super::{Pipeline, SlotSettings};
+use super::{admission, call_each};
 
 /// What this job knows of a key.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -68,7 +68,7 @@ pub(super) async fn call_with_dedup(
             continue;
         };
         if !plain.is_empty() {
-            outcomes.extend(call_each(p, std::mem::take(&mut plain), cancel.clone()).await?);
+            outcomes.extend(admitted(p, std::mem::take(&mut plain), cancel).await?);
         }
         let key = Key::of(&env);
         let known = match memo.get(&key) {
@@ -90,9 +90,7 @@ pub(super) async fn call_with_dedup(
             // answer until it did: not started, released.
             None if cancel.is_stopping() => (env, CallOutcome::Fault(Fault::not_started())),
             _ => {
-                let (env, outcome) = call_each(p, vec![(pend.handler.clone(), env)], cancel.clone())
-                    .await?
-                    .pop()?;
+                let (env, outcome) = admitted(p, vec![(pend.handler.clone(), env)], cancel).await?.pop()?;
                 let outcome = confirm(&cx, store, &key, window, outcome).await;
                 let handled = matches!(&outcome, CallOutcome::Done { result: Ok(()), .. });
                 memo.insert(key, if handled { Memo::Handled } else { Memo::Absent });
@@ -103,9 +101,22 @@ pub(super) async fn call_with_dedup(
         settle.push(pend);
     }
     if !plain.is_empty() {
-        outcomes.extend(call_each(p, plain, cancel.clone()).await?);
+        outcomes.extend(admitted(p, plain, cancel).await?);
     }
     Some((outcomes, settle))
+}
+
+/// [`call_each`] holding the calls' admission permits for the calls alone,
+/// not for the job's store round trips.
+async fn admitted(
+    p: &Pipeline,
+    items: Vec<(Arc<HandlerVersion>, Envelope)>,
+    cancel: &Arc<Interrupt>,
+) -> Option<Vec<(Envelope, CallOutcome)>> {
+    let permits = admission(items.iter().map(|(h, _)| h)).await;
+    let called = call_each(p, items, cancel.clone()).await;
+    drop(permits);
+    called
 }
 
 /// A call's outcome, with a success's cascades confirmed and its record

@@ -20,10 +20,10 @@ use crate::settle::cascades::{failure_text, publish_cascades};
 use crate::settle::decide::settle_all;
 use crate::transport::{Delivery, Disposition};
 
-use super::call_each;
 use super::dedup_calls::{acked_as_handled, call_with_dedup, lookup_all};
 use super::lane::lane_key;
 use super::{Pipeline, SlotSettings};
+use super::{admission, call_each};
 
 /// On a broker that counts deliveries itself (JetStream), a delivery past
 /// the handler's last only retries the dead-letter capture of a message whose
@@ -104,37 +104,6 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
             None
         }
     }
-}
-
-/// Admission per handler (`limits.instances`) and per tenant
-/// (`tenant.limits.concurrency`), acquired in one global order (handlers by
-/// version id, then tenants by name) so two lanes can never each hold what
-/// the other waits for.
-async fn admission<'a>(
-    handlers: impl Iterator<Item = &'a Arc<HandlerVersion>>,
-) -> Vec<tokio::sync::OwnedSemaphorePermit> {
-    let mut handlers: Vec<&Arc<HandlerVersion>> = handlers.collect();
-    handlers.sort_by_key(|h| h.id);
-    handlers.dedup_by_key(|h| h.id);
-    let mut tenants: Vec<&crate::runtime::TenantShare> = handlers
-        .iter()
-        .filter_map(|h| h.tenant())
-        .filter(|t| t.permits.is_some())
-        .collect();
-    tenants.sort_by(|a, b| a.name.cmp(&b.name));
-    tenants.dedup_by(|a, b| a.name == b.name);
-    let mut permits = Vec::with_capacity(handlers.len() + tenants.len());
-    let sems = handlers
-        .iter()
-        .map(|h| (h.name(), &h.permits))
-        .chain(tenants.iter().filter_map(|t| Some((&*t.name, t.permits.as_ref()?))));
-    for (name, sem) in sems {
-        match sem.clone().acquire_owned().await {
-            Ok(permit) => permits.push(permit),
-            Err(_) => tracing::error!(handler = name, "admission closed"),
-        }
-    }
-    permits
 }
 
 /// [`admit`] each delivery, in order: the messages that go to a handler
@@ -254,7 +223,12 @@ pub(super) async fn run_lane(
             Some((lane_key(e.tenant_id.as_deref(), group), record))
         })
         .collect();
-    let permits = admission(pending.iter().map(|x| &x.handler)).await;
+    // With dedup, each call takes its own admission, so a lane waiting on
+    // the store holds no instance another lane could call in.
+    let permits = match dedup {
+        None => admission(pending.iter().map(|x| &x.handler)).await,
+        Some(_) => Vec::new(),
+    };
     let mut cx = p.slot(&s);
     let called = match dedup.as_deref() {
         None => {

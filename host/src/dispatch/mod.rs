@@ -250,6 +250,37 @@ pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
+/// Admission per handler (`limits.instances`) and per tenant
+/// (`tenant.limits.concurrency`), acquired in one global order (handlers by
+/// version id, then tenants by name) so two lanes can never each hold what
+/// the other waits for.
+pub(crate) async fn admission<'a>(
+    handlers: impl Iterator<Item = &'a Arc<crate::runtime::HandlerVersion>>,
+) -> Vec<tokio::sync::OwnedSemaphorePermit> {
+    let mut handlers: Vec<&Arc<crate::runtime::HandlerVersion>> = handlers.collect();
+    handlers.sort_by_key(|h| h.id);
+    handlers.dedup_by_key(|h| h.id);
+    let mut tenants: Vec<&crate::runtime::TenantShare> = handlers
+        .iter()
+        .filter_map(|h| h.tenant())
+        .filter(|t| t.permits.is_some())
+        .collect();
+    tenants.sort_by(|a, b| a.name.cmp(&b.name));
+    tenants.dedup_by(|a, b| a.name == b.name);
+    let mut permits = Vec::with_capacity(handlers.len() + tenants.len());
+    let sems = handlers
+        .iter()
+        .map(|h| (h.name(), &h.permits))
+        .chain(tenants.iter().filter_map(|t| Some((&*t.name, t.permits.as_ref()?))));
+    for (name, sem) in sems {
+        match sem.clone().acquire_owned().await {
+            Ok(permit) => permits.push(permit),
+            Err(_) => tracing::error!(handler = name, "admission closed"),
+        }
+    }
+    permits
+}
+
 /// Call `handle` for each item in order on one worker. `None` when the pool
 /// is gone (process shutting down): the deliveries are then neither acked
 /// nor captured, so the broker redelivers them.
