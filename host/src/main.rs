@@ -466,6 +466,11 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             runtime()?.block_on(async {
                 let transport = node::transport_for(&cfg)?;
                 let mut opts = NodeOptions::default();
+                // Without a data directory, compiled code is kept where `weir call`
+                // keeps it (the user's cache), so a restart does not compile again.
+                if cfg.node.data_dir.is_none() {
+                    opts.runtime.cache_dir = call::cache_dir();
+                }
                 // A cluster-wide ledger for multi-process tests (see weir::observe::journal).
                 if let Some(path) = std::env::var_os(journal::ENV) {
                     let j = Arc::new(Journal::open(std::path::Path::new(&path), &cfg.node.name)?);

@@ -290,3 +290,61 @@ fn completions_and_the_template_list() {
     let (code, _, err) = weir(&["new", "rust"]);
     assert_eq!(code, 2, "a name is needed without --list: {err}");
 }
+
+/// The `.cwasm` files in `dir` (none when it does not exist).
+fn compiled_in(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.path().extension().is_some_and(|x| x == "cwasm"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Start `weir run --config cfg` with the user cache under `home`, wait until `dir` holds
+/// compiled code, and stop it with SIGTERM.
+fn run_until_compiled(cfg: &std::path::Path, home: &std::path::Path, dir: &std::path::Path) {
+    let mut child = Command::new(WEIR)
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .env("XDG_CACHE_HOME", home)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while compiled_in(dir) == 0 {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("no compiled code appeared in {}", dir.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let term = Command::new("kill").arg(child.id().to_string()).status().unwrap();
+    assert!(term.success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "weir run exited {status} on SIGTERM");
+}
+
+/// Issue 36 item 4: `weir run` without `node.data_dir` keeps compiled code in the user's cache
+/// (`XDG_CACHE_HOME/weir`, where `weir call` keeps it), so a restart does not compile again;
+/// with a data directory, that directory's `cache/` is used and the user's stays empty.
+#[test]
+fn weir_run_without_a_data_dir_caches_compiled_code_for_the_user() {
+    let cfg = write_config(GOOD);
+    let home = tempfile::tempdir().unwrap();
+    run_until_compiled(cfg.path(), home.path(), &home.path().join("weir"));
+
+    let data = tempfile::tempdir().unwrap();
+    let with_dir = write_config(&format!(
+        "[node]\ndata_dir = {:?}\n{GOOD}",
+        data.path().to_str().unwrap()
+    ));
+    let other_home = tempfile::tempdir().unwrap();
+    run_until_compiled(with_dir.path(), other_home.path(), &data.path().join("cache"));
+    assert_eq!(
+        compiled_in(&other_home.path().join("weir")),
+        0,
+        "a data_dir's node leaves the user cache alone"
+    );
+}
