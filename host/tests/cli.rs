@@ -348,3 +348,40 @@ fn weir_run_without_a_data_dir_caches_compiled_code_for_the_user() {
         "a data_dir's node leaves the user cache alone"
     );
 }
+
+/// The user cache is an optimisation: where it cannot be written (here a
+/// path under a regular file), `weir run` still starts, and says why the
+/// cache was skipped. Without the fix, the node failed to load its handler.
+#[test]
+fn weir_run_starts_when_the_user_cache_cannot_be_written() {
+    let cfg = write_config(GOOD);
+    let not_a_dir = tempfile::NamedTempFile::new().unwrap();
+    let mut child = Command::new(WEIR)
+        .args(["run", "--config", cfg.path().to_str().unwrap()])
+        .env("XDG_CACHE_HOME", not_a_dir.path())
+        .env("RUST_LOG", "warn,weir=info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let mut seen = String::new();
+    let started = loop {
+        match lines.next() {
+            Some(Ok(l)) => {
+                seen.push_str(&l);
+                seen.push('\n');
+                if l.contains("node started") {
+                    break true;
+                }
+            }
+            _ => break false,
+        }
+    };
+    let _ = Command::new("kill").arg(child.id().to_string()).status();
+    let status = child.wait().unwrap();
+    assert!(started, "weir run did not start:\n{seen}");
+    assert!(seen.contains("cannot keep compiled code in the cache"), "{seen}");
+    assert!(status.success(), "exit {status} on SIGTERM:\n{seen}");
+}

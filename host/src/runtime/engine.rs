@@ -271,8 +271,10 @@ impl Runtime {
         let path = dir.join(format!("{digest}-{key:016x}.cwasm"));
         if path.exists() {
             // SAFETY: the file was written by `precompile_component` of an
-            // engine with the same compatibility hash, into the node's own
-            // data directory, under the digest of the bytes being loaded.
+            // engine with the same compatibility hash, into the node's data
+            // directory or the user's cache (`weir run` without a data
+            // directory, `weir call`), under the digest of the bytes being
+            // loaded: whoever can write there runs as this user already.
             match unsafe { Component::deserialize_file(&self.engine, &path) } {
                 Ok(c) => return Ok((c, None)),
                 Err(e) => {
@@ -284,10 +286,16 @@ impl Runtime {
         let code = self.engine.precompile_component(bytes).map_err(anyhow::Error::from)?;
         let took = compiling.started.elapsed();
         drop(compiling);
-        std::fs::create_dir_all(dir).with_context(|| format!("creating cache dir {}", dir.display()))?;
+        // The cache is an optimisation: a directory that cannot be written
+        // (a read-only home, a full disk) costs the next start a compile, not this one.
         let tmp = path.with_extension(format!("{}.tmp", uuid::Uuid::new_v4()));
-        std::fs::write(&tmp, &code).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+        let kept = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&tmp, &code))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = kept {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot keep compiled code in the cache; it is compiled again next start");
+        }
         // SAFETY: just produced by this engine's `precompile_component`.
         let c = unsafe { Component::deserialize(&self.engine, &code).map_err(anyhow::Error::from)? };
         Ok((c, Some(took)))
