@@ -233,7 +233,6 @@ pub async fn record(store: &dyn Store, mut keys: Vec<(Key, Duration)>) -> anyhow
 /// `WEIR_TEST_NATS_URL`), through the same checks.
 #[cfg(test)]
 mod tests {
-    use sqlx::Connection as _;
 
     use super::*;
 
@@ -275,18 +274,8 @@ mod tests {
 
     #[tokio::test]
     async fn postgres_remembers_within_the_window() {
-        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
-        let name = format!("weir_d_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let pool = crate::cluster::postgres::connect(&format!("{server}/{name}"))
-            .await
-            .unwrap();
+        let db = crate::cluster::postgres::ScratchDb::new("weir_d").await;
+        let pool = db.pool.clone();
         remembers_within_the_window(&pg::Postgres::new(pool.clone())).await;
         sqlx::query("DELETE FROM weir_dedup").execute(&pool).await.unwrap();
         // The same through the merging wrapper a node uses, with many
@@ -306,28 +295,7 @@ mod tests {
         let answers = futures::future::join_all(keys.chunks(3).map(|c| seen(&merged, c))).await;
         let flat: Vec<bool> = answers.into_iter().flat_map(Result::unwrap).collect();
         assert_eq!(flat, (0..64).map(|i| i % 2 == 0).collect::<Vec<_>>());
-        pool.close().await;
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await;
-    }
-
-    /// A fresh database on the test server (with the node's migrations),
-    /// its pool, and the admin connection that drops it.
-    async fn test_database() -> (sqlx::PgPool, sqlx::PgConnection, String) {
-        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
-        let name = format!("weir_d_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let pool = crate::cluster::postgres::connect(&format!("{server}/{name}"))
-            .await
-            .unwrap();
-        (pool, admin, name)
+        db.drop().await;
     }
 
     /// Records written at a steady rate for `for_` with a window of
@@ -364,7 +332,8 @@ mod tests {
     /// its window. Its red baseline: without the purge, everything stays.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_holds_about_rate_times_window() {
-        let (pool, mut admin, name) = test_database().await;
+        let db = crate::cluster::postgres::ScratchDb::new("weir_d").await;
+        let pool = db.pool.clone();
         let window = Duration::from_millis(500);
         let store = pg::Postgres::with_purge(pool.clone(), Some(Duration::from_millis(250)));
         let (rows, written, rate) = write_steadily(&store, &pool, window, Duration::from_secs(4)).await;
@@ -398,10 +367,7 @@ mod tests {
         let store = pg::Postgres::with_purge(pool.clone(), None);
         let (rows, written, _) = write_steadily(&store, &pool, window, Duration::from_secs(2)).await;
         assert_eq!(rows as usize, written, "without the purge every record stays");
-        pool.close().await;
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await;
+        db.drop().await;
     }
 
     /// Issue 33 item 4 on NATS: the bucket keeps records for the config's

@@ -72,7 +72,6 @@ pub async fn bounded<T>(what: &str, op: impl std::future::Future<Output = anyhow
 /// `WEIR_TEST_NATS_URL`), through the same checks.
 #[cfg(test)]
 mod tests {
-    use sqlx::Connection as _;
 
     use super::*;
 
@@ -111,23 +110,10 @@ mod tests {
 
     #[tokio::test]
     async fn postgres_keeps_a_slots_parked_groups() {
-        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
-        let name = format!("weir_p_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let pool = crate::cluster::postgres::connect(&format!("{server}/{name}"))
-            .await
-            .unwrap();
+        let db = crate::cluster::postgres::ScratchDb::new("weir_p").await;
+        let pool = db.pool.clone();
         keeps_a_slots_parked_groups(&pg::Postgres::new(pool.clone())).await;
-        pool.close().await;
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await;
+        db.drop().await;
     }
 
     #[tokio::test]

@@ -157,28 +157,14 @@ mod tests {
 
     #[tokio::test]
     async fn postgres_nodes_share_the_first_key() {
-        use sqlx::Connection as _;
-        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
-        let name = format!("weir_s_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let pool = crate::cluster::postgres::connect(&format!("{server}/{name}"))
-            .await
-            .unwrap();
+        let db = crate::cluster::postgres::ScratchDb::new("weir_s").await;
+        let pool = db.pool.clone();
         let (a, b) = tokio::join!(from_postgres(&pool), from_postgres(&pool));
         let (a, b) = (a.unwrap(), b.unwrap());
         assert_eq!(a.len(), 32);
         assert_eq!(a, b, "two nodes at once: one key");
         assert_eq!(from_postgres(&pool).await.unwrap(), a);
-        pool.close().await;
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await;
+        db.drop().await;
     }
 
     #[tokio::test]

@@ -206,3 +206,44 @@ impl Coordinator for Postgres {
         status::status(&self.pool).await.map(Some)
     }
 }
+
+/// A database of its own on the test server (`WEIR_TEST_PG_URL`, else the
+/// local one), migrated by [`connect`]; [`ScratchDb::drop`] removes it.
+#[cfg(test)]
+pub(crate) struct ScratchDb {
+    /// The pool on it.
+    pub pool: PgPool,
+    server: String,
+    name: String,
+}
+
+#[cfg(test)]
+impl ScratchDb {
+    /// A new database named `{prefix}_{8 hex}`.
+    #[allow(clippy::unwrap_used, reason = "test setup: a failure is the test's")]
+    pub(crate) async fn new(prefix: &str) -> Self {
+        use sqlx::Connection as _;
+        let server = std::env::var("WEIR_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let pool = connect(&format!("{server}/{name}")).await.unwrap();
+        Self { pool, server, name }
+    }
+
+    /// Close the pool and drop the database (its other connections too).
+    pub(crate) async fn drop(self) {
+        use sqlx::Connection as _;
+        self.pool.close().await;
+        if let Ok(mut admin) = sqlx::PgConnection::connect(&format!("{}/postgres", self.server)).await {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+                .execute(&mut admin)
+                .await;
+        }
+    }
+}
