@@ -16,7 +16,8 @@ struct Shape {
 }
 
 /// Read the top-level import and export names of the component `bytes`
-/// (nested modules and components are skipped).
+/// (nested modules and components are skipped, and so are types: a 0.3.0
+/// world's `use types.{message, …}` imports the types by name at the top).
 fn shape(bytes: &[u8]) -> anyhow::Result<Shape> {
     use wasmparser::{Parser, Payload};
     let mut shape = Shape {
@@ -30,12 +31,18 @@ fn shape(bytes: &[u8]) -> anyhow::Result<Shape> {
             Payload::End(_) => depth = depth.saturating_sub(1),
             Payload::ComponentImportSection(s) if depth == 0 => {
                 for i in s {
-                    shape.imports.push(i.context("reading an import")?.name.name.to_owned());
+                    let i = i.context("reading an import")?;
+                    if !matches!(i.ty, wasmparser::ComponentTypeRef::Type(_)) {
+                        shape.imports.push(i.name.name.to_owned());
+                    }
                 }
             }
             Payload::ComponentExportSection(s) if depth == 0 => {
                 for e in s {
-                    shape.exports.push(e.context("reading an export")?.name.name.to_owned());
+                    let e = e.context("reading an export")?;
+                    if e.kind != wasmparser::ComponentExternalKind::Type {
+                        shape.exports.push(e.name.name.to_owned());
+                    }
                 }
             }
             _ => {}
