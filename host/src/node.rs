@@ -121,8 +121,8 @@ pub struct Node {
     /// The coordinator's loop, if its mode has one (`postgres`): it drains
     /// the slots and leaves the cluster when `stop` turns true.
     coordinator: Option<JoinHandle<anyhow::Result<()>>>,
-    /// The admin listener, when configured; stops with `stop`.
-    admin: Option<JoinHandle<()>>,
+    /// The admin and metrics listeners, those configured; they stop with `stop`.
+    admin: Vec<JoinHandle<()>>,
     /// `GET /ready`.
     ready: Arc<AtomicBool>,
     /// Ingress forwarders, one per topology (not part of the slot reports).
@@ -655,9 +655,9 @@ impl Node {
             ready: ready.clone(),
             stop: stop_rx.clone(),
         });
-        let admin = match config.node.admin {
-            Some(addr) => {
-                let state = Arc::new(AdminState {
+        // What the admin listener and the metrics listener read.
+        let state = (config.node.admin.is_some() || config.node.metrics.is_some()).then(|| {
+            Arc::new(AdminState {
                     node: config.node.name.clone(),
                     stats: pipeline.stats.clone(),
                     slots: slots.clone(),
@@ -671,11 +671,15 @@ impl Node {
                     mode: config.cluster.mode.as_str(),
                     seal: pipeline.seal.clone(),
                     controls: opts.admin_controls,
-                });
-                Some(admin::serve(addr, state, stop_rx.clone()).await?)
-            }
-            None => None,
-        };
+                })
+        });
+        let mut admin = Vec::new();
+        if let (Some(addr), Some(state)) = (config.node.admin, &state) {
+            admin.push(admin::serve(addr, state.clone(), stop_rx.clone()).await?);
+        }
+        if let (Some(addr), Some(state)) = (config.node.metrics, &state) {
+            admin.push(admin::serve_metrics(addr, state.clone(), stop_rx.clone()).await?);
+        }
         let followers = follow_registry(config, &registry, &stop_rx);
         tracing::info!(node = %config.node.name, slots = started, mode = config.cluster.mode.as_str(), transport = transport.system(), "node started");
         Ok(Self {
@@ -761,7 +765,7 @@ impl Node {
         for f in self.followers.drain(..) {
             let _ = f.await;
         }
-        if let Some(a) = self.admin.take() {
+        for a in self.admin.drain(..) {
             let _ = a.await;
         }
         while let Some(r) = self.forwarders.join_next().await {

@@ -136,6 +136,50 @@ fn health_ready_metrics_and_slots() {
     assert!(status.success());
 }
 
+/// Issue 36, item 7: `node.metrics` serves `/metrics` to a scraper that
+/// holds no token (Kubernetes' annotations), and nothing else; the admin
+/// listener of the same node still wants the operator's token there (the
+/// scrape the manifest made before: 401).
+#[test]
+fn a_metrics_listener_serves_metrics_without_a_token_and_nothing_else() {
+    let (admin, metrics) = (common::http::free_port(), common::http::free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"scraped\"\nadmin = \"127.0.0.1:{admin}\"\nadmin_token = \"secret\"\n\
+             metrics = \"127.0.0.1:{metrics}\"\n[[topology]]\nname = \"orders\"\nslots = 2\n\
+             [[handler]]\nname = \"orders\"\ncomponent = \"bundled:orders\"\ntopology = \"orders\"\nmessage_types = [\"order.placed\"]\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(WEIR)
+        .args(["run", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while get(metrics, "/health").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the metrics listener never came up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The negative control: the admin listener asks for the token.
+    assert_eq!(get(admin, "/metrics").unwrap().0, 401);
+    let (code, text) = get(metrics, "/metrics").unwrap();
+    assert_eq!(code, 200, "{text}");
+    assert!(text.contains("weir_slots_owned 2"), "{text}");
+    assert_eq!(get(metrics, "/health").unwrap().0, 200);
+    for path in ["/v1/slots", "/v1/handlers", "/v1/dead-letters", "/v1/whoami", "/"] {
+        assert_eq!(get(metrics, path).unwrap().0, 404, "{path} on the metrics listener");
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+}
+
 /// `promtool tsdb create-blocks-from openmetrics` on `om`, each sample
 /// stamped with one timestamp: Prometheus's OpenMetrics parser.
 fn promtool_openmetrics(om: &str, scratch: &std::path::Path) -> (i32, String) {

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use super::dead_letters;
 use super::limits::Limits;
-use super::metrics::metrics;
+use super::metrics::{metrics, open_metrics};
 use super::routes::{deploy, handler, handlers, ready, rollback, slots};
 use super::state::AdminState;
 use super::write_timeout::WriteTimeout;
@@ -51,6 +51,26 @@ pub async fn serve(
         .route("/v1/dead-letters/purge", post(dead_letters::purge))
         // Uploads are read by `deploy` itself, after the token is checked.
         .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state);
+    Ok(tokio::spawn(accept_loop(listener, app, limits, stop)))
+}
+
+/// Serve `node.metrics` until `stop` turns true: `GET /metrics` without a
+/// token, `GET /health`, nothing else (404), with the admin listener's
+/// connection bounds.
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    state: Arc<AdminState>,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("node.metrics = \"{addr}\": cannot listen there"))?;
+    tracing::info!(%addr, "metrics listener up (no token: only /metrics and /health)");
+    let limits = state.limits.clone();
+    let app = Router::new()
+        .route("/health", get(|| async { "ok\n" }))
+        .route("/metrics", get(open_metrics))
         .with_state(state);
     Ok(tokio::spawn(accept_loop(listener, app, limits, stop)))
 }

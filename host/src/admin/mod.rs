@@ -50,5 +50,5 @@ pub mod write_timeout;
 
 pub use auth::Auth;
 pub use limits::Limits;
-pub use listener::serve;
+pub use listener::{serve, serve_metrics};
 pub use state::{AdminState, NegativeControls};

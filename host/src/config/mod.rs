@@ -81,6 +81,11 @@ pub struct Node {
     /// read-only routes are open and deploys are refused.
     #[serde(default)]
     pub admin_token: Option<String>,
+    /// Address of a listener that serves only `GET /metrics` (and `GET /health`) with no token,
+    /// for a scraper that cannot present one (Kubernetes' annotations, a sidecar); absent: none.
+    /// Bind it where only the scraper reaches it: it answers anyone who can connect.
+    #[serde(default)]
+    pub metrics: Option<SocketAddr>,
     /// Where deployed components and their history are kept, so they survive a restart; also
     /// the compiled-code cache. Relative paths are resolved against the config file's directory.
     #[serde(default)]
@@ -193,6 +198,7 @@ impl Default for Node {
         Self {
             name: defaults::node_name(),
             admin: None,
+            metrics: None,
             admin_token: None,
             data_dir: None,
             components_dir: None,
