@@ -58,24 +58,21 @@ fn promtool(text: &str) -> (i32, String) {
     )
 }
 
-#[test]
-fn health_ready_metrics_and_slots() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+/// `weir run` on a config of `node` (the `[node]` table's lines) and the
+/// `orders` topology of `slots` slots with its bundled handler; returns
+/// once `GET /health` answers on `port`. Keep the directory while it runs.
+fn start(node: &str, slots: u32, port: u16) -> (tempfile::TempDir, std::process::Child) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("node.toml");
     std::fs::write(
         &config,
         format!(
-            "[node]\nname = \"admin-test\"\nadmin = \"127.0.0.1:{port}\"\n[[topology]]\nname = \"orders\"\nslots = 3\n\
+            "[node]\n{node}\n[[topology]]\nname = \"orders\"\nslots = {slots}\n\
              [[handler]]\nname = \"orders\"\ncomponent = \"bundled:orders\"\ntopology = \"orders\"\nmessage_types = [\"order.placed\"]\n"
         ),
     )
     .unwrap();
-    let mut child = Command::new(WEIR)
+    let child = Command::new(WEIR)
         .args(["run", "--config"])
         .arg(&config)
         .stdout(Stdio::null())
@@ -83,16 +80,18 @@ fn health_ready_metrics_and_slots() {
         .spawn()
         .unwrap();
     let start = Instant::now();
-    let health = loop {
-        if let Some(r) = get(port, "/health") {
-            break r;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "admin listener never came up"
-        );
+    while get(port, "/health").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the listener on {port} never came up");
         std::thread::sleep(Duration::from_millis(50));
-    };
+    }
+    (dir, child)
+}
+
+#[test]
+fn health_ready_metrics_and_slots() {
+    let port = common::http::free_port();
+    let (_dir, mut child) = start(&format!("name = \"admin-test\"\nadmin = \"127.0.0.1:{port}\""), 3, port);
+    let health = get(port, "/health").unwrap();
     assert_eq!(health.0, 200);
     assert_eq!(get(port, "/ready").unwrap().0, 200);
 
@@ -143,29 +142,10 @@ fn health_ready_metrics_and_slots() {
 #[test]
 fn a_metrics_listener_serves_metrics_without_a_token_and_nothing_else() {
     let (admin, metrics) = (common::http::free_port(), common::http::free_port());
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("node.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nname = \"scraped\"\nadmin = \"127.0.0.1:{admin}\"\nadmin_token = \"secret\"\n\
-             metrics = \"127.0.0.1:{metrics}\"\n[[topology]]\nname = \"orders\"\nslots = 2\n\
-             [[handler]]\nname = \"orders\"\ncomponent = \"bundled:orders\"\ntopology = \"orders\"\nmessage_types = [\"order.placed\"]\n"
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(WEIR)
-        .args(["run", "--config"])
-        .arg(&config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while get(metrics, "/health").is_none() {
-        assert!(start.elapsed() < Duration::from_secs(30), "the metrics listener never came up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let node = format!(
+        "name = \"scraped\"\nadmin = \"127.0.0.1:{admin}\"\nadmin_token = \"secret\"\nmetrics = \"127.0.0.1:{metrics}\""
+    );
+    let (_dir, mut child) = start(&node, 2, metrics);
     // The negative control: the admin listener asks for the token.
     assert_eq!(get(admin, "/metrics").unwrap().0, 401);
     let (code, text) = get(metrics, "/metrics").unwrap();
@@ -220,36 +200,8 @@ fn promtool_openmetrics(om: &str, scratch: &std::path::Path) -> (i32, String) {
 /// family, not the `_total` samples).
 #[test]
 fn metrics_negotiate_their_format_and_pass_promtool() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("node.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nname = \"metrics-test\"\nadmin = \"127.0.0.1:{port}\"\n[[topology]]\nname = \"orders\"\nslots = 2\n\
-             [[handler]]\nname = \"orders\"\ncomponent = \"bundled:orders\"\ntopology = \"orders\"\nmessage_types = [\"order.placed\"]\n"
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(WEIR)
-        .args(["run", "--config"])
-        .arg(&config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while get(port, "/health").is_none() {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "admin listener never came up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let port = common::http::free_port();
+    let (dir, mut child) = start(&format!("name = \"metrics-test\"\nadmin = \"127.0.0.1:{port}\""), 2, port);
     let (code, head, text) = get_with(port, "/metrics", "Accept: text/plain; version=0.0.4\r\n").unwrap();
     assert_eq!(code, 200);
     assert!(head.contains("text/plain; version=0.0.4"), "{head}");

@@ -26,9 +26,7 @@ pub async fn serve(
     state: Arc<AdminState>,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("node.admin = \"{addr}\": cannot listen there"))?;
+    let listener = bind("node.admin", addr).await?;
     tracing::info!(%addr, "admin listener up");
     clear_spool(&state.limits);
     let limits = state.limits.clone();
@@ -63,9 +61,7 @@ pub async fn serve_metrics(
     state: Arc<AdminState>,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("node.metrics = \"{addr}\": cannot listen there"))?;
+    let listener = bind("node.metrics", addr).await?;
     tracing::info!(%addr, "metrics listener up (no token: only /metrics and /health)");
     let limits = state.limits.clone();
     let app = Router::new()
@@ -73,6 +69,13 @@ pub async fn serve_metrics(
         .route("/metrics", get(open_metrics))
         .with_state(state);
     Ok(tokio::spawn(accept_loop(listener, app, limits, stop)))
+}
+
+/// Listen on `addr`, the value of the config key `key`.
+async fn bind(key: &str, addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{key} = \"{addr}\": cannot listen there"))
 }
 
 /// Spooled uploads a crash left in `node.data_dir/uploads` (never in the
