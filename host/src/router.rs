@@ -6,7 +6,6 @@
 //! on that version, found by a [`PinResolver`] (the registry), and alone
 //! through `handle`, never in a batch with messages of another version.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +13,12 @@ use parking_lot::RwLock;
 
 use crate::envelope::{Envelope, header};
 use crate::runtime::HandlerVersion;
+
+/// Every message looks its (topology, type, tenant) and its handler up in
+/// these maps, twice: SipHash over those names cost more than the rest of
+/// routing. Their keys come from the configuration, so no publisher can
+/// choose colliding ones; foldhash, randomly seeded, is enough.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Finds a handler's version by digest, for pinned messages: the registry,
 /// which keeps earlier versions (compiled, or their bytes in its store).
