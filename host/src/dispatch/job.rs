@@ -75,20 +75,7 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
         }
     };
     match routed {
-        Ok(handler) => {
-            let mut env = env;
-            let trace = crate::telemetry::receive(&mut env, &s.topology, s.slot, handler.name()).map(Box::new);
-            Some((
-                env,
-                Pending {
-                    acker,
-                    source,
-                    tag,
-                    handler,
-                    trace,
-                },
-            ))
-        }
+        Ok(handler) => Some(admitted(s, env, handler, acker, source, tag)),
         Err(why) => {
             let error = why.unwrap_or_else(|| {
                 format!(
@@ -106,13 +93,61 @@ async fn admit(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Option<(Envelope,
     }
 }
 
+/// A routed message and what settling it needs.
+fn admitted(
+    s: &SlotSettings,
+    mut env: Envelope,
+    handler: Arc<HandlerVersion>,
+    acker: Box<dyn crate::transport::Acker>,
+    source: Arc<str>,
+    tag: u64,
+) -> (Envelope, Pending) {
+    let trace = crate::telemetry::receive(&mut env, &s.topology, s.slot, handler.name()).map(Box::new);
+    let pending = Pending {
+        acker,
+        source,
+        tag,
+        handler,
+        trace,
+    };
+    (env, pending)
+}
+
+/// [`admit`]'s common case, without building its future: a decoded
+/// message, not kept for a capture retry, not pinned, that has a handler.
+/// Anything else comes back for [`admit`].
+fn admit_now(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Result<(Envelope, Pending), Delivery> {
+    let handler = match &d.message {
+        Ok(env) if capture_retry(&s.schedule, env.attempt).is_none() && env.header(header::HANDLER_PIN).is_none() => {
+            p.router.route(&s.topology, s.slot, env)
+        }
+        _ => None,
+    };
+    match (handler, d) {
+        (
+            Some(handler),
+            Delivery {
+                message: Ok(env),
+                source,
+                tag,
+                acker,
+            },
+        ) => Ok(admitted(s, env, handler, acker, source, tag)),
+        (_, d) => Err(d),
+    }
+}
+
 /// [`admit`] each delivery, in order: the messages that go to a handler
 /// and, at the same index, what settling each needs.
 async fn admit_all(p: &Pipeline, s: &SlotSettings, run: Vec<Delivery>) -> (Vec<Envelope>, Vec<Pending>) {
     let mut envs = Vec::with_capacity(run.len());
     let mut pending = Vec::with_capacity(run.len());
     for d in run {
-        if let Some((env, pend)) = admit(p, s, d).await {
+        let admitted = match admit_now(p, s, d) {
+            Ok(admitted) => Some(admitted),
+            Err(d) => admit(p, s, d).await,
+        };
+        if let Some((env, pend)) = admitted {
             envs.push(env);
             pending.push(pend);
         }
