@@ -54,7 +54,11 @@ pub async fn settle_all(
                 published,
             } if published.is_empty() => {
                 crate::runtime::fault::before_ack();
-                if let Err(e) = pend.acker.settle(Disposition::Ack).await {
+                let acked = match pend.acker.ack_now() {
+                    Some(acked) => acked,
+                    None => pend.acker.settle(Disposition::Ack).await,
+                };
+                if let Err(e) = acked {
                     cx.sink.stats.ack_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(tag = pend.tag, error = %e, "ack of a handled message failed; it may be delivered again");
                 }

@@ -533,9 +533,9 @@ struct MemoryAcker {
     seq: u64,
 }
 
-#[async_trait]
-impl Acker for MemoryAcker {
-    async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
+impl MemoryAcker {
+    /// Take the delivery out of the unacked book (once).
+    fn take(&self) -> Result<Held, TransportError> {
         let taken = {
             let mut g = self.queue.q.lock();
             let taken = g.unacked.remove(&self.seq);
@@ -546,28 +546,43 @@ impl Acker for MemoryAcker {
             }
             taken
         };
-        let Some(held) = taken else {
-            return Err(TransportError::new(
+        taken.ok_or_else(|| {
+            TransportError::new(
                 ErrorKind::Settled,
                 format!(
                     "delivery {} on {} was already settled or returned",
                     self.seq, self.queue.name
                 ),
+            )
+        })
+    }
+
+    /// An ack, once the delivery is taken: its place in the window is free.
+    fn acked(&self) -> Result<(), TransportError> {
+        self.queue.notify.notify_waiters();
+        if take(&self.broker.shared.faults.lose_ack_confirms) {
+            return Err(TransportError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "ack of delivery {} on {}: confirmation lost (injected)",
+                    self.seq, self.queue.name
+                ),
             ));
-        };
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Acker for MemoryAcker {
+    fn ack_now(&self) -> Option<Result<(), TransportError>> {
+        Some(self.take().and_then(|_| self.acked()))
+    }
+
+    async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
+        let held = self.take()?;
         match disposition {
-            Disposition::Ack | Disposition::AckCaptured => {
-                self.queue.notify.notify_waiters();
-                if take(&self.broker.shared.faults.lose_ack_confirms) {
-                    return Err(TransportError::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "ack of delivery {} on {}: confirmation lost (injected)",
-                            self.seq, self.queue.name
-                        ),
-                    ));
-                }
-            }
+            Disposition::Ack | Disposition::AckCaptured => return self.acked(),
             Disposition::Retry { envelope, delay } => {
                 self.broker.enqueue(&self.queue, envelope::encode(&envelope), delay);
             }

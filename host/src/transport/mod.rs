@@ -190,6 +190,15 @@ pub trait Acker: Send + Sync {
     /// Consumes the acker: a delivery cannot be settled twice.
     async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError>;
 
+    /// [`Disposition::Ack`] without awaiting, where the broker can take it
+    /// so (the memory broker; RabbitMQ's coalesced acks): `Some` with the
+    /// result, and the acker is spent (drop it, never settle it again).
+    /// `None`: nothing was done; [`Acker::settle`] it. Saves the boxed
+    /// future of `settle` on the path every handled message takes.
+    fn ack_now(&self) -> Option<Result<(), TransportError>> {
+        None
+    }
+
     /// Deliveries the broker will still make of this message after this one
     /// (`None`: unbounded). `Some(0)` means a failed capture strands it.
     fn deliveries_left(&self) -> Option<u32> {

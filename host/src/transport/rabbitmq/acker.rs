@@ -61,6 +61,11 @@ impl RabbitAcker {
 
 #[async_trait]
 impl Acker for RabbitAcker {
+    fn ack_now(&self) -> Option<Result<(), TransportError>> {
+        // Coalesced: the flusher sends it in a `multiple` ack.
+        self.acks.finished(self.tag).then_some(Ok(()))
+    }
+
     async fn settle(self: Box<Self>, disposition: Disposition) -> Result<(), TransportError> {
         if matches!(disposition, Disposition::Ack) && self.acks.finished(self.tag) {
             return Ok(());
