@@ -71,6 +71,60 @@ pub fn panic_message(output: &str) -> Option<String> {
     Some(text)
 }
 
+/// A Python exception in a guest's last output: the traceback
+/// componentize-py prints before its runtime panics ("Python function threw
+/// an unexpected exception", which names neither the exception nor where).
+/// Returns `ExcType: message (at FILE:LINE in FUNCTION)` and the frames,
+/// most recent call last, as `FILE:LINE in FUNCTION`.
+pub fn python_exception(output: &str) -> Option<(String, Vec<String>)> {
+    let lines: Vec<&str> = output.lines().collect();
+    // The last traceback (a chained one ends with the exception that
+    // escaped); a traceback whose start the pipe dropped begins at its
+    // first frame.
+    let start = match lines.iter().rposition(|l| l.trim_end() == "Traceback (most recent call last):") {
+        Some(t) => t + 1,
+        None => lines.iter().position(|l| l.starts_with("  File \""))?,
+    };
+    let end = lines[start..]
+        .iter()
+        .position(|l| l.contains("panicked at "))
+        .map_or(lines.len(), |p| start + p);
+    let block = &lines[start..end];
+    let last_frame = block.iter().rposition(|l| l.starts_with("  File \""))?;
+    let frames: Vec<String> = block[..=last_frame]
+        .iter()
+        .filter_map(|l| python_frame(l))
+        .collect();
+    // After the last frame: its source line, if the component kept the
+    // sources (indented), then the exception, on one line or more.
+    let exception: Vec<&str> = block[last_frame + 1..]
+        .iter()
+        .filter(|l| !l.starts_with("  ") && !l.trim().is_empty())
+        .map(|l| l.trim())
+        .collect();
+    if exception.is_empty() {
+        return None;
+    }
+    let mut text = exception.join(" / ");
+    if let Some(at) = frames.last() {
+        text.push_str(&format!(" (at {at})"));
+    }
+    Some((text, frames))
+}
+
+/// `  File "/0/app.py", line 171, in explode` as `app.py:171 in explode`
+/// (componentize-py mounts the application's directory at `/0`).
+fn python_frame(line: &str) -> Option<String> {
+    let rest = line.trim().strip_prefix("File \"")?;
+    let (path, rest) = rest.split_once("\", line ")?;
+    let (number, function) = rest.split_once(", in ").unwrap_or((rest, "?"));
+    let path = match path.strip_prefix('/').and_then(|p| p.split_once('/')) {
+        Some((root, inner)) if root.chars().all(|c| c.is_ascii_digit()) => inner,
+        _ => path,
+    };
+    Some(format!("{path}:{} in {}", number.trim(), function.trim()))
+}
+
 /// The guest's own frames of a wasmtime error's wasm backtrace (`N: 0x… - name`
 /// lines), at most [`BACKTRACE_FRAMES`], renumbered, and how many were left out.
 pub fn guest_frames(error: &str) -> (Vec<String>, usize) {
@@ -112,6 +166,16 @@ pub fn trap_text(
     cut_from: Option<usize>,
     error: &str,
 ) -> (String, bool) {
+    // A Python exception says what happened and where; the panic of the
+    // runtime it escaped through and that runtime's wasm frames do not.
+    if let Some((exception, frames)) = output.and_then(python_exception) {
+        let mut text = format!("{exception} [Python exception; {cause}]");
+        if frames.len() > 1 {
+            text.push_str("\nPython traceback (most recent call last): ");
+            text.push_str(&frames.join(" -> "));
+        }
+        return (text, false);
+    }
     let panic = output.and_then(panic_message);
     let mut cut = false;
     let mut text = match &panic {
@@ -173,6 +237,44 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("d123b7a1") && !text.contains(".wasm!"), "{text}");
+    }
+
+    /// What a componentize-py guest wrote when `handle` raised (captured
+    /// from a component built with the pinned componentize-py).
+    const PYTHON: &str = "Traceback (most recent call last):\n  File \"/0/app.py\", line 180, in handle\n  File \"/0/app.py\", line 171, in explode\nValueError: price list missing for call-1\n\nthread '<unnamed>' (1) panicked at runtime/src/lib.rs:1293:29:\nPython function threw an unexpected exception\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n";
+    const PYTHON_ERROR: &str = "error while executing at wasm backtrace:\n    0: 0x1 - libc.so!abort\n    1: 0x2 - libc.so!wit_dylib_export_call\n    2: 0x3 - <unknown>!handle\n\nCaused by:\n    wasm trap: wasm `unreachable` instruction executed";
+
+    #[test]
+    fn a_python_exception_names_its_type_message_file_and_line() {
+        let cause = "wasm trap: wasm `unreachable` instruction executed";
+        let (text, cut) = trap_text(cause, Some(PYTHON), Some("unused"), None, PYTHON_ERROR);
+        assert!(!cut);
+        assert_eq!(
+            text,
+            "ValueError: price list missing for call-1 (at app.py:171 in explode) \
+             [Python exception; wasm trap: wasm `unreachable` instruction executed]\n\
+             Python traceback (most recent call last): app.py:180 in handle -> app.py:171 in explode"
+        );
+        // The red baseline: read as a panic, the same output names neither
+        // the exception nor where it was raised.
+        let panic = panic_message(PYTHON).unwrap();
+        assert!(!panic.contains("ValueError") && !panic.contains("app.py"), "{panic}");
+    }
+
+    #[test]
+    fn a_chained_or_cut_python_traceback_reports_the_exception_that_escaped() {
+        let chained = "Traceback (most recent call last):\n  File \"/0/app.py\", line 5, in load\nKeyError: 'eur'\n\n\
+                       During handling of the above exception, another exception occurred:\n\n\
+                       Traceback (most recent call last):\n  File \"/0/app.py\", line 9, in handle\n    price(msg)\n\
+                       RuntimeError: no price\nfor this order\nthread '<unnamed>' panicked at x.rs:1:1:\nPython function threw\n";
+        let (text, frames) = python_exception(chained).unwrap();
+        assert_eq!(text, "RuntimeError: no price / for this order (at app.py:9 in handle)");
+        assert_eq!(frames, ["app.py:9 in handle"]);
+        // The pipe kept only the end: the frames it holds still count.
+        let cut = "  File \"/0/app.py\", line 171, in explode\nValueError: boom\n";
+        assert_eq!(python_exception(cut).unwrap().0, "ValueError: boom (at app.py:171 in explode)");
+        // A Rust panic is not a Python exception.
+        assert_eq!(python_exception(OUTPUT), None);
     }
 
     #[test]
