@@ -96,6 +96,15 @@ async fn a_rust_handler_from_an_empty_folder_to_a_running_node() {
         "{built}"
     );
     let wasm = project.join("hello.wasm");
+    // Function names stay in the component, so a trap's wasm backtrace
+    // names the handler's frames (`hello::explode <- <hello::App as
+    // weir_guest::Handler>::handle <- …`); with `strip = true` it showed
+    // `<wasm function 276> <- <wasm function 220> <- …`.
+    let bytes = std::fs::read(&wasm).unwrap();
+    assert!(
+        bytes.windows(19).any(|w| w == b"_export_handle_cabi"),
+        "the template's component keeps no function names"
+    );
 
     // A good payload: ok, the cascade, the log line.
     let good = weir(
