@@ -125,6 +125,19 @@ fn python_frame(line: &str) -> Option<String> {
     Some(format!("{path}:{} in {}", number.trim(), function.trim()))
 }
 
+/// A JavaScript exception that escaped `handle`. ComponentizeJS takes any
+/// thrown value for a `failure` and cannot lower one that is not
+/// (`invalid variant tag value \`undefined\` (received \`TypeError: …\`)
+/// specified for \`Failure\``): the thrown value as it printed it.
+pub fn js_exception(output: &str) -> Option<String> {
+    const RECEIVED: &str = "(received `";
+    const FOR_FAILURE: &str = "`) specified for `Failure`";
+    let start = output.rfind(RECEIVED)? + RECEIVED.len();
+    let rest = &output[start..];
+    let thrown = &rest[..rest.find(FOR_FAILURE)?];
+    Some(thrown.lines().map(str::trim).collect::<Vec<_>>().join(" / "))
+}
+
 /// The guest's own frames of a wasmtime error's wasm backtrace (`N: 0x… - name`
 /// lines), at most [`BACKTRACE_FRAMES`], renumbered, and how many were left out.
 pub fn guest_frames(error: &str) -> (Vec<String>, usize) {
@@ -174,6 +187,12 @@ pub fn trap_text(
             text.push_str("\nPython traceback (most recent call last): ");
             text.push_str(&frames.join(" -> "));
         }
+        return (text, false);
+    }
+    // The same for JavaScript, whose stack the bindings do not keep (the
+    // frames they print are their own).
+    if let Some(thrown) = output.and_then(js_exception) {
+        let text = format!("{thrown} [JavaScript exception thrown out of the handler; {cause}]");
         return (text, false);
     }
     let panic = output.and_then(panic_message);
@@ -275,6 +294,25 @@ mod tests {
         assert_eq!(python_exception(cut).unwrap().0, "ValueError: boom (at app.py:171 in explode)");
         // A Rust panic is not a Python exception.
         assert_eq!(python_exception(OUTPUT), None);
+    }
+
+    #[test]
+    fn a_javascript_exception_names_its_type_and_message() {
+        // What a ComponentizeJS guest wrote when `handle` threw a TypeError
+        // (captured from a component built with the pinned ComponentizeJS).
+        let output = "invalid variant tag value `undefined` (received `TypeError: price list missing for call-1`) \
+                      specified for `Failure`\nStack:\n  export_handle@/tmp/8f185ab952e7/sources/initializer.js:445:17\n\
+                      Redirecting call to abort() to mozalloc_abort\n";
+        let cause = "wasm trap: wasm `unreachable` instruction executed";
+        let (text, _) = trap_text(cause, Some(output), Some("unused"), None, PYTHON_ERROR);
+        assert_eq!(
+            text,
+            "TypeError: price list missing for call-1 [JavaScript exception thrown out of the handler; \
+             wasm trap: wasm `unreachable` instruction executed]"
+        );
+        // The red baseline: without a panic, the words stood after the cause.
+        assert_eq!(panic_message(output), None);
+        assert_eq!(js_exception("a guest's own log line"), None);
     }
 
     #[test]
