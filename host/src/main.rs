@@ -464,6 +464,24 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             // after the drain.
             let _traces = weir::telemetry::init(&cfg.telemetry, &cfg.node.name)?;
             runtime()?.block_on(async {
+                // Caught from here on: a SIGTERM while the node starts (its
+                // slots may already be consuming) is answered with a drain
+                // once it has started, never with the default exit.
+                let late = std::env::var(NEGATIVE_CONTROL_LATE_SIGNALS).is_ok_and(|v| v == "1");
+                let mut signals = if late {
+                    tracing::error!("{NEGATIVE_CONTROL_LATE_SIGNALS}=1: signals are caught only once the node has started (a test's negative control; never in production)");
+                    None
+                } else {
+                    Some(Signals::install()?)
+                };
+                if std::env::var_os(HOLD_START).is_some() {
+                    tracing::info!("{HOLD_START}: holding the start until a line arrives on standard input");
+                    tokio::task::spawn_blocking(|| {
+                        let mut line = String::new();
+                        let _ = std::io::stdin().read_line(&mut line);
+                    })
+                    .await?;
+                }
                 let transport = node::transport_for(&cfg)?;
                 let mut opts = NodeOptions::default();
                 // Without a data directory, compiled code is kept where `weir call`
@@ -479,7 +497,10 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
                 }
                 let node = Node::start(&cfg, transport.clone(), opts).await?;
                 warn_unconsumed_static_slots(&cfg, transport.as_ref()).await;
-                wait_for_signal().await?;
+                match signals.as_mut() {
+                    Some(signals) => signals.recv().await,
+                    None => wait_for_signal().await?,
+                }
                 drain(node).await
             })?;
             Ok(ExitCode::SUCCESS)
@@ -750,13 +771,43 @@ async fn drain(node: Node) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn wait_for_signal() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
-        _ = term.recv() => {}
+/// A test's barrier, never for production: with this variable set, `weir
+/// run` holds its start (signals already caught) until a line arrives on
+/// standard input.
+const HOLD_START: &str = "WEIR_TEST_HOLD_START";
+
+/// Negative control for that test, never for production: with this set to
+/// `1`, signals are caught only once the node has started (as before the
+/// fix), and a SIGTERM during the start ends the process without a drain.
+const NEGATIVE_CONTROL_LATE_SIGNALS: &str = "WEIR_NEGATIVE_CONTROL_LATE_SIGNALS";
+
+/// SIGTERM and SIGINT, caught from the moment this is made (until then a
+/// SIGTERM ends the process at once, without a drain).
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
     }
+
+    /// The next SIGTERM or SIGINT (one that came since `install` counts).
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    Signals::install()?.recv().await;
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 //! `schedule check`'s table and exit codes, and `run` draining on SIGTERM.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::Read as _;
+use std::io::{Read as _, Write as _};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -181,6 +181,68 @@ fn run_drains_and_exits_0_on_sigterm() {
     }
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("drained"), "{log}");
+}
+
+/// `weir run` held at its start (`WEIR_TEST_HOLD_START`: until a line
+/// arrives on its stdin), sent SIGTERM there, then let go: its exit status
+/// and log.
+fn sigterm_during_the_start(extra_env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    let f = write_config(GOOD);
+    let mut child = Command::new(WEIR)
+        .args(["run", "--config", f.path().to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .env("WEIR_TEST_HOLD_START", "1")
+        .envs(extra_env.iter().copied())
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let mut log = String::new();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        log.push_str(&l);
+        log.push('\n');
+        if l.contains("holding the start") {
+            break;
+        }
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    // Let it go (a process the SIGTERM ended has closed its stdin: ignore that).
+    let mut stdin = child.stdin.take().unwrap();
+    let _ = stdin.write_all(b"go\n");
+    drop(stdin);
+    for l in lines {
+        log.push_str(&l.unwrap());
+        log.push('\n');
+    }
+    (child.wait().unwrap(), log)
+}
+
+/// A SIGTERM that arrives while the node starts (its slots may already be
+/// consuming) is answered with a drain once it has started: exit 0,
+/// "drained". CI once caught the race this closes: a SIGTERM right after
+/// "node started" ended the process (signal 15) before its handler was in.
+#[test]
+fn a_sigterm_while_the_node_starts_is_answered_with_a_drain() {
+    let (status, log) = sigterm_during_the_start(&[]);
+    assert!(status.success(), "exit {status:?}: {log}");
+    assert!(log.contains("node started") && log.contains("drained"), "{log}");
+}
+
+/// Its red baseline: signals caught only after the start, as before.
+#[test]
+fn negative_control_with_late_signals_a_sigterm_while_starting_ends_the_process() {
+    let (status, log) = sigterm_during_the_start(&[("WEIR_NEGATIVE_CONTROL_LATE_SIGNALS", "1")]);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGTERM),
+        "{status:?}: {log}"
+    );
+    assert!(!log.contains("drained"), "{log}");
 }
 
 /// Issue 18: the memory broker lives inside one process, so `weir publish`
