@@ -20,6 +20,7 @@ mod groups;
 mod handlers;
 mod inspect;
 mod logging;
+mod logs;
 mod publish;
 mod scaffold;
 mod status;
@@ -103,6 +104,32 @@ enum Command {
         #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
         token: Option<String>,
         /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A handler's recent log lines (its `log` calls, granted stdout and
+    /// stderr), and the failures and faults its calls ended in, from the
+    /// admin listeners of the nodes running it (each keeps the last 512 lines
+    /// per handler), merged by time.
+    Logs {
+        /// The handler's name.
+        handler: String,
+        /// A node's TOML config: its node.admin, with its admin_token unless --token is given.
+        #[arg(long, required_unless_present = "admin")]
+        config: Option<PathBuf>,
+        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
+        #[arg(long)]
+        admin: Vec<String>,
+        /// The token of those listeners (or WEIR_TOKEN); a tenant's token sees its own handlers.
+        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Keep printing new lines as they come, until Ctrl-C.
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Lines per node, newest last (1 to 1000).
+        #[arg(long, short = 'n', default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        limit: u16,
+        /// One JSON object a line, each with its node.
         #[arg(long)]
         json: bool,
     },
@@ -641,6 +668,23 @@ fn run(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
             config,
             admin,
             token,
+            json,
+        }),
+        Command::Logs {
+            handler,
+            config,
+            admin,
+            token,
+            follow,
+            limit,
+            json,
+        } => logs::run(logs::Request {
+            handler,
+            config,
+            admin,
+            token,
+            follow,
+            limit: usize::from(limit),
             json,
         }),
         Command::Status {

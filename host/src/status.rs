@@ -73,7 +73,12 @@ pub fn get_json<T: serde::de::DeserializeOwned>(
             403 => format!(" ({what} are for the operator's token, not a tenant's)"),
             _ => String::new(),
         };
-        bail!("{url} answered {status}: {}{hint}", text.trim());
+        // The admin API's errors are `{"error": "…"}`: the sentence, not the JSON.
+        let said = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| text.trim().to_owned());
+        bail!("{url} answered {status}: {said}{hint}");
     }
     serde_json::from_str(&text).with_context(|| format!("{url} did not answer {shape}: {text}"))
 }

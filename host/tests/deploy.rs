@@ -60,7 +60,7 @@ name = "shop"
 component = "{faulty}"
 topology = "{TOPOLOGY}"
 tenant = "acme"
-message_types = ["ok", "env"]
+message_types = ["ok", "env", "flaky", "trap", "hostile.log-lines"]
 [[handler]]
 name = "ledger"
 component = "{faulty}"
@@ -176,6 +176,94 @@ async fn handled_once_more(node: &Node, tenant: &str) {
     }
 }
 
+/// `weir logs` (issue 36, item 5): what a handler's calls logged, the failures they
+/// returned and the fault they trapped with, from the node's admin listener, to the
+/// handler's tenant and the operator; another tenant is told no such handler. The negative
+/// control is that tenant's own answer: nothing of acme's reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_logs_shows_a_handlers_lines_failures_and_faults_to_its_tenant_only() {
+    let port = free_port();
+    let mem = Arc::new(MemoryBroker::new());
+    let node = start(&config(port, None, None, true), &mem).await;
+    let send = |kind: &'static str, payload: &'static str| {
+        let msg = envelope::new_message(
+            envelope::fresh_id(),
+            kind,
+            Some(format!("g-{kind}")),
+            Some("acme".into()),
+            vec![],
+            payload.as_bytes().to_vec(),
+        );
+        let node = &node;
+        async move {
+            node.publish(TOPOLOGY, &msg).await.unwrap();
+            msg.id
+        }
+    };
+    let logged = send("hostile.log-lines", "3").await;
+    let flaky = send("flaky", "1").await;
+    let trapped = send("trap", "").await;
+    let stats = node.stats();
+    let start = Instant::now();
+    // The log lines and the flaky one's second try handled; the trap dead-lettered.
+    while {
+        let s = stats.snapshot();
+        s.handled < 2 || s.dead_lettered.iter().map(|(_, n)| n).sum::<u64>() < 1
+    } {
+        assert!(start.elapsed() < Duration::from_secs(30), "{:?}", stats.snapshot());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let admin = format!("http://127.0.0.1:{port}");
+    let logs = |token: &str, extra: &[&str]| {
+        let mut args: Vec<String> = ["logs", "shop", "--admin", &admin, "--token", token]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        weir(args)
+    };
+
+    let out = logs(ACME, &[]).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for want in [
+        format!("INFO   message {logged}  flood line 0"),
+        format!("INFO   message {logged}  flood line 2"),
+        format!("WARN   failure  message {flaky}  retry: flaky: attempt 1 of the first 1 fails"),
+        format!("ERROR  fault  message {trapped}  "),
+        "trap requested by test".to_owned(),
+    ] {
+        assert!(text.contains(&want), "`{want}` missing from:\n{text}");
+    }
+    // Oldest first: the three lines in the order they were written.
+    let at = |needle: &str| text.find(needle).unwrap();
+    assert!(at("flood line 0") < at("flood line 1") && at("flood line 1") < at("flood line 2"));
+    // The trap ran twice (max_deliver 2): two fault lines.
+    assert_eq!(text.matches("trap requested by test").count(), 2, "{text}");
+
+    // `-n 1`: the newest line only; `--json`: one object a line, with its node.
+    let out = logs(OPERATOR, &["-n", "1", "--json"]).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 1, "{text}");
+    assert_eq!(lines[0]["node"], "deploy-test");
+    assert_eq!(lines[0]["source"], "fault");
+
+    // Another tenant: no such handler, said as a sentence; nothing of acme's printed.
+    let out = logs(GLOBEX, &[]).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(!out.status.success());
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("answered 404 Not Found"), "{stderr}");
+    assert!(!stderr.contains("{\""), "the error, not its JSON: {stderr}");
+    assert!(!stderr.contains("flood line"), "{stderr}");
+    node.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_uploads_are_refused_with_the_reason_and_the_running_version_keeps_serving() {
     let port = free_port();
@@ -277,6 +365,9 @@ async fn auth_matrix_of_every_route_and_token_kind() {
             current_shop.clone(),
             [401, 401, 404, 404, 404],
         ),
+        ("GET", "/v1/handlers/shop/logs", vec![], [401, 401, 200, 200, 404]),
+        ("GET", "/v1/handlers/ops/logs", vec![], [401, 401, 200, 404, 404]),
+        ("GET", "/v1/handlers/nope/logs", vec![], [401, 401, 404, 404, 404]),
         ("POST", "/v1/handlers/shop/rollback", vec![], [401, 401, 409, 409, 404]),
         ("POST", "/v1/handlers/ops/rollback", vec![], [401, 401, 409, 404, 404]),
         // No canary runs: 409 for whoever may change the handler.

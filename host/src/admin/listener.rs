@@ -41,6 +41,7 @@ pub async fn serve(
         .route("/v1/groups/{action}", post(super::routes::order_group))
         .route("/v1/handlers", get(handlers))
         .route("/v1/handlers/{name}", get(handler).put(deploy))
+        .route("/v1/handlers/{name}/logs", get(super::routes::logs))
         .route("/v1/handlers/{name}/rollback", post(rollback))
         .route("/v1/handlers/{name}/promote", post(super::routes::promote))
         .route("/v1/topologies/{topology}/messages", post(super::messages::publish))

@@ -209,6 +209,64 @@ pub(super) async fn handler(
     }
 }
 
+/// `GET /v1/handlers/{name}/logs?after=SEQ&limit=N`: the handler's recent log lines, its
+/// failures and faults, after sequence number `after` (default 0: all it holds), the newest
+/// `limit` (default 100, at most 1000). A tenant's token, only its own handlers.
+pub(super) async fn logs(
+    State(s): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    let caller = match s.auth.reader(&headers) {
+        Ok(c) => c,
+        Err(d) => return d.into_response(),
+    };
+    let (after, limit) = match parse_logs(query.as_deref()) {
+        Ok(q) => q,
+        Err(e) => return (StatusCode::BAD_REQUEST, error_body(&e)).into_response(),
+    };
+    match s.registry.logs(&caller, &name) {
+        Ok(ring) => {
+            let page = ring.page(after, limit);
+            axum::Json(serde_json::json!({
+                "node": s.node,
+                "handler": name,
+                "lines": page.lines,
+                "next": page.next,
+                "missed": page.missed,
+            }))
+            .into_response()
+        }
+        Err(e) => deploy_error(e),
+    }
+}
+
+/// The most lines one `logs` answer holds.
+const LOGS_MAX_LIMIT: usize = 1000;
+
+/// `after=SEQ&limit=N`, each optional.
+fn parse_logs(query: Option<&str>) -> Result<(u64, usize), String> {
+    let (mut after, mut limit) = (0, 100);
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        let number = |what: &str| {
+            v.parse::<u64>()
+                .map_err(|_| format!("`{k}` must be a whole number ({what}), not `{v}`"))
+        };
+        match k.as_ref() {
+            "after" => after = number("the sequence number of the last line seen")?,
+            "limit" => {
+                limit = usize::try_from(number("lines, 1 to 1000")?).unwrap_or(usize::MAX);
+                if !(1..=LOGS_MAX_LIMIT).contains(&limit) {
+                    return Err(format!("`limit` must be 1 to {LOGS_MAX_LIMIT}, not {limit}"));
+                }
+            }
+            other => return Err(format!("unknown query parameter `{other}` (accepted: after, limit)")),
+        }
+    }
+    Ok((after, limit))
+}
+
 /// A deploy's query: grants, and whether it is a canary.
 #[derive(Default)]
 struct DeployAsk {

@@ -1,10 +1,12 @@
 //! What the host tells about itself: outcome and handler counters
-//! ([`stats`], scraped by `/metrics`), the call and settlement ledgers tests
-//! and the demo keep ([`ledger`]), and the soak's journal ([`journal`]).
+//! ([`stats`], scraped by `/metrics`), each handler's recent log lines
+//! ([`logring`], `weir logs`), the call and settlement ledgers tests and the
+//! demo keep ([`ledger`]), and the soak's journal ([`journal`]).
 //! Observers watch; nothing here decides how a message is settled.
 
 pub mod journal;
 pub mod ledger;
+pub mod logring;
 pub mod stats;
 
 use crate::envelope::Envelope;

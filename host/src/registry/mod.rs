@@ -278,6 +278,11 @@ impl Registry {
             .collect()
     }
 
+    /// A handler's recent log lines, if `caller` may see the handler.
+    pub fn logs(&self, caller: &Caller, name: &str) -> Result<Arc<crate::observe::logring::LogRing>, DeployError> {
+        self.authorize(caller, name).map(|s| s.settings.logs.clone())
+    }
+
     /// Swaps so far (deploys and rollbacks that changed a version).
     pub fn swaps(&self) -> u64 {
         self.swaps.load(std::sync::atomic::Ordering::Relaxed)

@@ -104,8 +104,9 @@ impl HostState {
         let log = Arc::new(CallLog::new(&budgets).with_rate(rate));
         let stdio = if settings.wasi.inherit_stdio {
             // The host's stdout and stderr, within the call's log budget.
-            wasi.stdout(super::stdio::BudgetedStdio::new(log.clone(), false))
-                .stderr(super::stdio::BudgetedStdio::new(log.clone(), true));
+            let ring = settings.logs.clone();
+            wasi.stdout(super::stdio::BudgetedStdio::new(log.clone(), false, ring.clone()))
+                .stderr(super::stdio::BudgetedStdio::new(log.clone(), true, ring));
             None
         } else {
             let tail = super::stdio::TailPipe::new(4096);
@@ -225,6 +226,19 @@ impl Host for HostState {
             text.push_str(&format!(" [cut by weir: {len} bytes]"));
         }
         let handler = self.settings.name.as_str();
+        let level_name = match level {
+            Level::Trace => "trace",
+            Level::Debug => "debug",
+            Level::Info => "info",
+            Level::Warn => "warn",
+            Level::Error => "error",
+        };
+        self.settings.logs.push(
+            level_name,
+            crate::observe::logring::Source::Log,
+            Some(&self.call.message_id),
+            &text,
+        );
         // Labelled fields (`handler=… message_id=…`): a field called
         // `message` would be taken for the line itself.
         let message_id = self.call.message_id.as_str();

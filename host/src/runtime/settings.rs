@@ -102,6 +102,8 @@ pub struct HandlerSettings {
     pub metrics: Arc<crate::observe::stats::HandlerMetrics>,
     /// What the per-call budgets refused or cut for this handler.
     pub budget: Arc<BudgetCounters>,
+    /// Its recent log lines and faults (`weir logs`), shared by its versions.
+    pub logs: Arc<crate::observe::logring::LogRing>,
     /// Per-call budgets of its own (its tenant's, `tenant.budgets`); `None`: the node's
     /// ([`RuntimeOptions::budgets`]).
     pub budgets: Option<CallBudgets>,
@@ -140,6 +142,7 @@ impl HandlerSettings {
             fuel: None,
             metrics: Arc::default(),
             budget: Arc::default(),
+            logs: Arc::default(),
             budgets: None,
             dedup: None,
             park: false,

@@ -371,25 +371,30 @@ impl CallLog {
     }
 }
 
-/// The host's stdout or stderr, written through the call's [`CallLog`].
+/// The host's stdout or stderr, written through the call's [`CallLog`], and kept in the
+/// handler's ring of recent lines.
 #[derive(Debug, Clone)]
 pub struct BudgetedStdio {
     log: Arc<CallLog>,
     stderr: bool,
+    ring: Arc<crate::observe::logring::LogRing>,
 }
 
 impl BudgetedStdio {
     /// The host's stderr when `stderr`, else its stdout.
-    pub fn new(log: Arc<CallLog>, stderr: bool) -> Self {
-        Self { log, stderr }
+    pub fn new(log: Arc<CallLog>, stderr: bool, ring: Arc<crate::observe::logring::LogRing>) -> Self {
+        Self { log, stderr, ring }
     }
 
     fn forward(&self, bytes: &[u8]) {
+        use crate::observe::logring::Source;
         use std::io::Write as _;
         let out = self.log.admit_chunk(bytes);
         if out.is_empty() {
             return;
         }
+        self.ring
+            .push_chunk(if self.stderr { Source::Stderr } else { Source::Stdout }, &out);
         // The host's own streams failing is no reason to fail the guest.
         let _ = if self.stderr {
             std::io::stderr().lock().write_all(&out)
