@@ -93,6 +93,14 @@ pub struct Status {
     pub slots: Vec<SlotStatus>,
 }
 
+/// Two nodes' counts of one slot: their sum, or what the one that knows says.
+fn add(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a + b),
+        (a, b) => a.or(b),
+    }
+}
+
 impl Status {
     /// Several nodes' views as one (`weir status --admin A --admin B`): a
     /// slot is owned when any node owns it; the nodes are listed once.
@@ -113,10 +121,17 @@ impl Status {
                     .iter_mut()
                     .find(|o| o.topology == s.topology && o.slot == s.slot)
                 {
-                    Some(o) if o.owner.is_none() && s.owner.is_some() => *o = s,
                     Some(o) => {
-                        o.lag = o.lag.or(s.lag);
-                        o.consumers = o.consumers.or(s.consumers);
+                        // Calls and parked groups are known only to the nodes running the
+                        // slot (two during a handoff): added up, whichever view names the owner.
+                        let lag = o.lag.or(s.lag);
+                        let consumers = o.consumers.or(s.consumers);
+                        let in_flight = add(o.in_flight, s.in_flight);
+                        let parked = add(o.parked, s.parked);
+                        if o.owner.is_none() && s.owner.is_some() {
+                            *o = s;
+                        }
+                        (o.lag, o.consumers, o.in_flight, o.parked) = (lag, consumers, in_flight, parked);
                     }
                     None => out.slots.push(s),
                 }
@@ -252,5 +267,32 @@ mod tests {
         let owners: Vec<Option<&str>> = m.slots.iter().map(|s| s.owner.as_deref()).collect();
         assert_eq!(owners, [Some("a"), Some("b")]);
         assert!(m.unowned().is_empty());
+    }
+
+    /// In the coordinated modes every node names every slot's owner, but only the owner
+    /// counts its calls and parked groups: the merge keeps them whichever view came first.
+    #[test]
+    fn merged_views_keep_the_calls_and_parked_groups_of_whoever_runs_the_slot() {
+        let counted = |in_flight: Option<u64>, parked: Option<u64>| {
+            let mut s = slot("t", 0, Some("a"), Some(1));
+            (s.in_flight, s.parked) = (in_flight, parked);
+            s
+        };
+        let view = |s: SlotStatus| Status {
+            mode: "postgres".into(),
+            nodes: Vec::new(),
+            slots: vec![s],
+        };
+        // Node b's view first: it knows a owns the slot, not what runs there.
+        let m = Status::merge(vec![view(counted(None, None)), view(counted(Some(3), Some(2)))]);
+        assert_eq!((m.slots[0].in_flight, m.slots[0].parked), (Some(3), Some(2)));
+        let m = Status::merge(vec![view(counted(Some(3), Some(2))), view(counted(None, None))]);
+        assert_eq!((m.slots[0].in_flight, m.slots[0].parked), (Some(3), Some(2)));
+        // A handoff: the old owner still finishing a call, the new one running two.
+        let mut old = counted(Some(1), Some(0));
+        old.owner = None;
+        let m = Status::merge(vec![view(old), view(counted(Some(2), Some(1)))]);
+        assert_eq!(m.slots[0].owner.as_deref(), Some("a"));
+        assert_eq!((m.slots[0].in_flight, m.slots[0].parked), (Some(3), Some(1)));
     }
 }
