@@ -5,8 +5,11 @@
 //! token, shows the four slots owned; a second node joins and the page shows
 //! a slot change owner; a dead letter is redriven by a click in the page and
 //! is handled. A tenant's token gets the same page read-only. A canary
-//! shows beside the stable version and is promoted by a click. The
-//! screenshot it takes is docs/dashboard.png's source.
+//! shows beside the stable version and is promoted by a click. At 1280 and
+//! 1920 px the page fits its window, the canary's buttons sit in its
+//! handler's row, and the dead letters page by 50 and filter by reason
+//! (`dashboard-layout.mjs`); its 1280 px screenshot, taken with messages
+//! flowing, is docs/dashboard.png's source.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -74,7 +77,7 @@ fn driver() -> PathBuf {
         );
         std::fs::write(&stamp, &lock).unwrap();
     }
-    for f in ["dashboard.mjs", "dashboard-tenant.mjs", "dashboard-canary.mjs"] {
+    for f in ["dashboard.mjs", "dashboard-tenant.mjs", "dashboard-canary.mjs", "dashboard-layout.mjs"] {
         std::fs::copy(src.join(f), work.join(f)).unwrap();
     }
     work.join("dashboard.mjs")
@@ -245,6 +248,58 @@ async fn the_dashboard_shows_a_slot_move_and_redrives_a_dead_letter_on_a_click()
     .await
     .unwrap();
     assert_eq!(code, 200, "{answer}");
+
+    // More than a page of dead letters, three of them rejected; messages flowing for the
+    // rates; then the layout at two widths.
+    for i in 0..113 {
+        let env = envelope::new_message(format!("dl-page-{i}"), "ok", Some(format!("g-{i}")), None, vec![], b"{}".to_vec());
+        let (reason, error) = if i % 40 == 7 {
+            (Reason::Rejected, "order o-17: no price for sku x")
+        } else {
+            (Reason::Exhausted, "inventory service unavailable (HTTP 503) after 5 attempts; the ladder is spent")
+        };
+        let wire = dead_letter_wire(
+            Captured::Envelope(&env),
+            &Provenance {
+                reason,
+                error,
+                source: "weir.dash.1",
+                handler: Some(("faulty", "0000")),
+                tag: 2,
+            },
+        );
+        mem.publish_dead_letter(TOPOLOGY, wire).await.unwrap();
+    }
+    let shots = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let mut layout = {
+        let mut cmd = Command::new("node");
+        cmd.arg(script.with_file_name("dashboard-layout.mjs"))
+            .arg(format!("http://127.0.0.1:{port}/"))
+            .arg(TOKEN)
+            .arg("faulty")
+            .arg(shots)
+            .env("WEIR_CHROMIUM", &chromium);
+        tokio::task::spawn_blocking(move || cmd.output().unwrap())
+    };
+    // A message every 10 ms while the page is looked at.
+    let mut n = 0u64;
+    let out = loop {
+        tokio::select! {
+            out = &mut layout => break out.unwrap(),
+            () = tokio::time::sleep(Duration::from_millis(10)) => {
+                let env = envelope::new_message(envelope::fresh_id(), "ok", Some(format!("t-{}", n % 16)), None, vec![], b"{}".to_vec());
+                a.publish(TOPOLOGY, &env).await.unwrap();
+                n += 1;
+            }
+        }
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("LAYOUT 1280 ok") && text.contains("LAYOUT 1920 ok"),
+        "{text}"
+    );
+    println!("dashboard screenshot: {}", shots.join("dashboard-1280.png").display());
+
     let out = Command::new("node")
         .arg(script.with_file_name("dashboard-canary.mjs"))
         .arg(format!("http://127.0.0.1:{port}/"))

@@ -58,3 +58,23 @@ pub(super) async fn whoami(State(s): State<Arc<AdminState>>, headers: HeaderMap)
     }))
     .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    /// The page's reason filter offers every reason a dead letter can carry, and no other.
+    #[test]
+    fn the_reason_filter_lists_every_reason() {
+        let select = super::PAGE
+            .split("<select id=\"dl-reason\"")
+            .nth(1)
+            .and_then(|s| s.split("</select>").next())
+            .expect("the page has a reason filter");
+        let offered: Vec<&str> = select
+            .split("<option>")
+            .skip(1)
+            .map(|o| o.split("</option>").next().unwrap_or_default())
+            .collect();
+        let all: Vec<&str> = crate::outcome::Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(offered, all);
+    }
+}

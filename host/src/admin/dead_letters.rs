@@ -9,7 +9,8 @@
 //! several), `reason`, `handler`, `group`, `tenant`, `type`, `id`
 //! (repeatable: a message id, or `#N` for a position), `since` and `until`
 //! (an RFC 3339 time, a date, or a duration back from now such as `2h`),
-//! `limit` (list: at most this many letters in the answer).
+//! `limit` (list: at most this many letters in the answer), `offset` (list: after skipping
+//! this many of those selected; a page of a long list).
 //!
 //! An operator token sees every letter; a tenant token only those whose
 //! `weir-tenant-id` is its tenant (a `tenant` parameter naming another
@@ -37,13 +38,14 @@ struct Query {
     filter: Filter,
     topology: Option<String>,
     limit: Option<usize>,
+    offset: usize,
     full: bool,
     dry_run: bool,
     handler_version: Option<String>,
 }
 
 const ACCEPTED: &str =
-    "topology, reason, handler, group, tenant, type, id, since, until, limit, full, dry_run, handler_version";
+    "topology, reason, handler, group, tenant, type, id, since, until, limit, offset, full, dry_run, handler_version";
 
 fn flag(key: &str, value: &str) -> Result<bool, String> {
     match value {
@@ -73,6 +75,11 @@ fn parse(query: Option<&str>, now: SystemTime) -> Result<Query, String> {
                     v.parse()
                         .map_err(|_| format!("limit={v:?}: accepted: a whole number"))?,
                 );
+            }
+            "offset" => {
+                q.offset = v
+                    .parse()
+                    .map_err(|_| format!("offset={v:?}: accepted: a whole number"))?;
             }
             "full" => q.full = flag("full", &v)?,
             "dry_run" => q.dry_run = flag("dry_run", &v)?,
@@ -186,6 +193,7 @@ pub(super) async fn list(State(s): State<Arc<AdminState>>, RawQuery(query): RawQ
     let letters: Vec<LetterView> = selection
         .selected
         .iter()
+        .skip(q.offset)
         .take(q.limit.unwrap_or(usize::MAX))
         .map(|l| LetterView::of(l, slots, q.full))
         .collect();
