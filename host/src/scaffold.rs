@@ -13,6 +13,7 @@
 //! (JavaScript). `weir dev` finds the project and its sources through
 //! [`detect`].
 
+mod stamp;
 mod toolchain;
 
 use std::path::{Path, PathBuf};
@@ -368,12 +369,28 @@ pub fn build(dir: &Path, offline: bool) -> anyhow::Result<PathBuf> {
     let project = detect(dir)?;
     let name = &project.name;
     let started = Instant::now();
+    let out = dir.join(format!("{name}.wasm"));
+    // Python and JavaScript toolchains are not reproducible: unchanged inputs keep the last
+    // build's component (`stamp`). Inputs that cannot be read: built, not stamped.
+    let toolchain = match project.lang {
+        Lang::Rust => None,
+        Lang::Python => Some(format!("componentize-py {}", toolchain::COMPONENTIZE_PY)),
+        Lang::Js => Some(format!("ComponentizeJS {}", toolchain::COMPONENTIZE_JS)),
+    };
+    let inputs = toolchain
+        .and_then(|t| stamp::inputs(dir, &[&t, &project.entry, &project.wit, &project.world]).ok());
+    if let Some(i) = &inputs
+        && stamp::fresh(&out, i)
+    {
+        let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
+        report(&out, &bytes, started, " (sources unchanged since the last build: its component, as it was)");
+        return Ok(out);
+    }
     eprintln!(
         "weir build: building {} component {name} (in {}) …",
         project.lang.as_str(),
         dir.canonicalize().as_deref().unwrap_or(dir).display()
     );
-    let out = dir.join(format!("{name}.wasm"));
     let part = dir.join(format!(".{name}.wasm.part"));
     let _ = std::fs::remove_file(&part);
     let built = build_into(&project, dir, &part, offline);
@@ -384,6 +401,16 @@ pub fn build(dir: &Path, offline: bool) -> anyhow::Result<PathBuf> {
         return Err(e);
     }
     let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
+    match &inputs {
+        Some(i) => stamp::record(&out, i, &bytes),
+        None => stamp::clear(&out),
+    }
+    report(&out, &bytes, started, "");
+    Ok(out)
+}
+
+/// `built NAME.wasm (size, sha256 …) in S s`, and `note`.
+fn report(out: &Path, bytes: &[u8], started: Instant, note: &str) {
     let size = bytes.len() as f64;
     let size = if size < 1024.0 * 1024.0 {
         format!("{:.1} KiB", size / 1024.0)
@@ -391,12 +418,11 @@ pub fn build(dir: &Path, offline: bool) -> anyhow::Result<PathBuf> {
         format!("{:.1} MiB", size / (1024.0 * 1024.0))
     };
     println!(
-        "built {} ({size}, sha256 {}) in {:.1} s",
-        out.strip_prefix(".").unwrap_or(&out).display(),
-        hex::encode(sha2::Sha256::digest(&bytes)),
+        "built {} ({size}, sha256 {}) in {:.1} s{note}",
+        out.strip_prefix(".").unwrap_or(out).display(),
+        hex::encode(sha2::Sha256::digest(bytes)),
         started.elapsed().as_secs_f64()
     );
-    Ok(out)
 }
 
 /// Build `project` into `part` with its language's toolchain.

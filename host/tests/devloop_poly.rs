@@ -163,6 +163,26 @@ async fn from_an_empty_folder_to_a_running_node(lang: &Lang) {
     let wasm = project.join("greeter.wasm");
     assert!(std::fs::metadata(&wasm).unwrap().len() > 1 << 20);
 
+    // Built again from the same sources: the same component, not a new version (issue 36
+    // item 3). The negative control: without the stamp of the last build's inputs the
+    // toolchain runs again and its component differs, byte for byte.
+    let digest = |built: &str| {
+        let at = built.find("sha256 ").expect("a digest") + "sha256 ".len();
+        built[at..at + 64].to_owned()
+    };
+    let first = digest(&built);
+    let again = text(&weir(&project, &["build"]));
+    assert_eq!(digest(&again), first, "{again}");
+    assert!(again.contains("sources unchanged since the last build"), "{again}");
+    std::fs::remove_file(project.join(".greeter.wasm.inputs")).unwrap();
+    let unstamped = text(&weir(&project, &["build"]));
+    assert!(unstamped.contains("building "), "{unstamped}");
+    assert_ne!(
+        digest(&unstamped),
+        first,
+        "the toolchain is reproducible now: the stamp may go ({unstamped})"
+    );
+
     // A good payload: ok, the cascade, the log line.
     let good = weir(
         &project,
