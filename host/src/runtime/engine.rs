@@ -25,10 +25,13 @@ use crate::observe::CallObserver;
 struct Compiling<'a> {
     origin: &'a str,
     started: std::time::Instant,
+    functions: &'a super::fncache::FunctionCache,
+    /// The function cache's (hits, misses) at the start.
+    counts: (u64, u64),
 }
 
 impl<'a> Compiling<'a> {
-    fn start(origin: &'a str, size: usize, cached: bool) -> Self {
+    fn start(origin: &'a str, size: usize, cached: bool, functions: &'a super::fncache::FunctionCache) -> Self {
         let size = match size {
             n if n < 1 << 20 => format!("{:.1} KiB", n as f64 / 1024.0),
             n => format!("{:.1} MiB", n as f64 / (1 << 20) as f64),
@@ -41,6 +44,8 @@ impl<'a> Compiling<'a> {
         Self {
             origin,
             started: std::time::Instant::now(),
+            functions,
+            counts: functions.counts(),
         }
     }
 }
@@ -48,10 +53,14 @@ impl<'a> Compiling<'a> {
 impl Drop for Compiling<'_> {
     fn drop(&mut self) {
         let secs = self.started.elapsed().as_secs_f64();
+        let (hits, misses) = self.functions.counts();
+        let (hits, misses) = (hits - self.counts.0, misses - self.counts.1);
         tracing::info!(
             component = self.origin,
             seconds = secs,
-            "compiled {} in {secs:.1} s",
+            functions_compiled = misses,
+            functions_reused = hits,
+            "compiled {} in {secs:.1} s ({misses} function(s) compiled, {hits} reused from an earlier version)",
             self.origin
         );
     }
@@ -69,6 +78,8 @@ pub struct Runtime {
     pub(super) ticker_stop: Arc<AtomicBool>,
     /// Every executor's instance cache, so a full pool can evict idle instances anywhere.
     pub(super) caches: parking_lot::Mutex<Vec<std::sync::Weak<parking_lot::Mutex<CacheMap>>>>,
+    /// Compiled functions, by their contents, for the next version's compile.
+    pub(super) functions: Arc<super::fncache::FunctionCache>,
 }
 
 impl Drop for Runtime {
@@ -122,6 +133,11 @@ impl Runtime {
             .concurrency_support(false)
             .max_wasm_stack(options.max_wasm_stack)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        // A new version compiles only the functions it changed (see `fncache`).
+        let functions = Arc::new(super::fncache::FunctionCache::new(super::fncache::DEFAULT_CAP));
+        cfg.enable_incremental_compilation(functions.clone())
+            .map_err(anyhow::Error::from)
+            .context("configuring the incremental compilation cache")?;
         let engine = Engine::new(&cfg)
             .map_err(anyhow::Error::from)
             .context("configuring the wasmtime engine")?;
@@ -159,6 +175,7 @@ impl Runtime {
             observer: None,
             ticker_stop,
             caches: parking_lot::Mutex::new(Vec::new()),
+            functions,
         }))
     }
 
@@ -261,7 +278,7 @@ impl Runtime {
     /// The component, and how long compiling it took (`None`: from the cache).
     fn compile(&self, bytes: &[u8], digest: &str, origin: &str) -> anyhow::Result<(Component, Option<Duration>)> {
         let Some(dir) = &self.options.cache_dir else {
-            let compiling = Compiling::start(origin, bytes.len(), false);
+            let compiling = Compiling::start(origin, bytes.len(), false, &self.functions);
             let c = Component::new(&self.engine, bytes).map_err(anyhow::Error::from)?;
             return Ok((c, Some(compiling.started.elapsed())));
         };
@@ -282,7 +299,7 @@ impl Runtime {
                 }
             }
         }
-        let compiling = Compiling::start(origin, bytes.len(), true);
+        let compiling = Compiling::start(origin, bytes.len(), true, &self.functions);
         let code = self.engine.precompile_component(bytes).map_err(anyhow::Error::from)?;
         let took = compiling.started.elapsed();
         drop(compiling);

@@ -21,6 +21,7 @@ pub mod call;
 pub mod engine;
 pub mod executor;
 pub mod fault;
+pub mod fncache;
 pub mod grants;
 mod host;
 pub mod instance;
