@@ -30,6 +30,6 @@ start=$(date +%s.%N)
 "$weir" deploy --admin "http://127.0.0.1:$port" --token measure-token-0123456789 --handler h "$v2" 2>&1 | tail -1
 end=$(date +%s.%N)
 echo "deploy wall: $(echo "$end - $start" | bc) s"
-grep -o "compiled .* reused from an earlier version)" "$dir/log"
+grep -o "compiled .* found compiled already)" "$dir/log"
 kill -TERM $pid; wait $pid 2>/dev/null
 rm -rf "$dir"

@@ -60,7 +60,7 @@ impl Drop for Compiling<'_> {
             seconds = secs,
             functions_compiled = misses,
             functions_reused = hits,
-            "compiled {} in {secs:.1} s ({misses} function(s) compiled, {hits} reused from an earlier version)",
+            "compiled {} in {secs:.1} s ({misses} function(s) compiled, {hits} found compiled already)",
             self.origin
         );
     }
