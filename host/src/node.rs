@@ -1,6 +1,7 @@
 //! The composition root: one `weir` node, wired from a [`Config`]. It starts
-//! the engine, binds the handlers, loads their versions, declares the
-//! topologies, forwards their ingress, lets the [`Coordinator`] of its
+//! the engine, binds the handlers, declares the topologies (so a broker that
+//! is down is said before any compile), loads the handlers' versions,
+//! forwards their ingress, lets the [`Coordinator`] of its
 //! cluster mode decide which slots it runs, serves the admin listener, and
 //! on [`Node::shutdown`] drains every slot before returning. It owns no
 //! logic of its own beyond that order; no other module imports it.
@@ -608,14 +609,16 @@ fn follow_registry(config: &Config, registry: &Arc<Registry>, stop: &watch::Rece
 }
 
 impl Node {
-    /// Load handlers, declare topologies, and start consuming the owned slots.
+    /// Declare topologies, load handlers, and start consuming the owned slots.
     pub async fn start(config: &Config, transport: Arc<dyn Transport>, opts: NodeOptions) -> anyhow::Result<Self> {
         let runtime = start_runtime(config, &opts)?;
         let router = Arc::new(bind_handlers(config)?);
         let database = connect_database(config).await?;
+        // The broker before the handlers: a broker that is down is said at once, not after
+        // seconds of compiling (a Python or JavaScript handler's first compile).
+        let topologies = declare_topologies(config, transport.as_ref()).await?;
         let versions = open_versions(config, database.as_ref()).await?;
         let registry = Registry::start(config, runtime.clone(), router.clone(), versions).await?;
-        let topologies = declare_topologies(config, transport.as_ref()).await?;
         let bucket = open_bucket(config).await?;
         let mut seal = crate::seal::key::load(config, database.as_ref()).await?;
         if opts.negative_control_trust_weir_headers {

@@ -417,6 +417,31 @@ fn weir_run_without_a_data_dir_caches_compiled_code_for_the_user() {
     );
 }
 
+/// Issue 36 item 4: a broker that is down is said before any handler is compiled (a Python
+/// handler's compile takes seconds): nothing is compiled, and the error names the broker. The
+/// red baseline is the order before the fix, which compiled every handler first.
+#[test]
+fn a_broker_that_is_down_is_reported_before_anything_is_compiled() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let cfg = write_config(&format!(
+        "[transport]\nkind = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:{port}/%2f\"\n{GOOD}"
+    ));
+    let home = tempfile::tempdir().unwrap();
+    let out = Command::new(WEIR)
+        .args(["run", "--config", cfg.path().to_str().unwrap()])
+        .env("XDG_CACHE_HOME", home.path())
+        .env("RUST_LOG", "warn,weir=info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("cannot reach rabbitmq"), "{stderr}");
+    assert!(!stderr.contains("compiling"), "compiled before the broker was tried:\n{stderr}");
+    assert_eq!(compiled_in(&home.path().join("weir")), 0);
+}
+
 /// The user cache is an optimisation: where it cannot be written (here a
 /// path under a regular file), `weir run` still starts, and says why the
 /// cache was skipped. Without the fix, the node failed to load its handler.
