@@ -61,9 +61,11 @@ fn targets(req: &Request) -> anyhow::Result<(Vec<String>, Option<String>)> {
     ))
 }
 
-/// Ask every node for its lines after `after[i]`; the lines merged by time, and the
-/// number each node said were missed.
-fn poll(req: &Request, admins: &[String], token: Option<&str>, after: &mut [u64]) -> anyhow::Result<(Vec<Seen>, Vec<(String, u64)>)> {
+/// Lines merged by time, and (node, lines missed) for each node that missed some.
+type Polled = (Vec<Seen>, Vec<(String, u64)>);
+
+/// Ask every node for its lines after `after[i]`.
+fn poll(req: &Request, admins: &[String], token: Option<&str>, after: &mut [u64]) -> anyhow::Result<Polled> {
     let mut seen = Vec::new();
     let mut missed = Vec::new();
     for (admin, after) in admins.iter().zip(after.iter_mut()) {
@@ -90,7 +92,11 @@ fn poll(req: &Request, admins: &[String], token: Option<&str>, after: &mut [u64]
 fn render(s: &Seen, with_node: bool) -> String {
     let l = &s.line;
     let at = humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(l.at_ms));
-    let node = if with_node { format!("{}  ", s.node) } else { String::new() };
+    let node = if with_node {
+        format!("{}  ", s.node)
+    } else {
+        String::new()
+    };
     let from = match l.source {
         Source::Log => "",
         Source::Stdout => "stdout  ",
@@ -98,7 +104,10 @@ fn render(s: &Seen, with_node: bool) -> String {
         Source::Fault => "fault  ",
         Source::Failure => "failure  ",
     };
-    let message = l.message_id.as_deref().map_or_else(String::new, |m| format!("message {m}  "));
+    let message = l
+        .message_id
+        .as_deref()
+        .map_or_else(String::new, |m| format!("message {m}  "));
     format!("{at}  {node}{:<5}  {from}{message}{}", l.level.to_uppercase(), l.text)
 }
 
@@ -132,7 +141,11 @@ pub fn run(req: Request) -> anyhow::Result<ExitCode> {
             eprintln!(
                 "no log lines from `{}` yet{}",
                 req.handler,
-                if req.follow { "; waiting for some (Ctrl-C to stop)" } else { "" }
+                if req.follow {
+                    "; waiting for some (Ctrl-C to stop)"
+                } else {
+                    ""
+                }
             );
         }
         if !req.follow {

@@ -661,20 +661,20 @@ impl Node {
         // What the admin listener and the metrics listener read.
         let state = (config.node.admin.is_some() || config.node.metrics.is_some()).then(|| {
             Arc::new(AdminState {
-                    node: config.node.name.clone(),
-                    stats: pipeline.stats.clone(),
-                    slots: slots.clone(),
-                    transport: transport.clone(),
-                    coordinator,
-                    ready: ready.clone(),
-                    registry: registry.clone(),
-                    auth: admin::Auth::from_config(config),
-                    limits: admin::Limits::from_config(config),
-                    topologies: topologies.clone(),
-                    mode: config.cluster.mode.as_str(),
-                    seal: pipeline.seal.clone(),
-                    controls: opts.admin_controls,
-                })
+                node: config.node.name.clone(),
+                stats: pipeline.stats.clone(),
+                slots: slots.clone(),
+                transport: transport.clone(),
+                coordinator,
+                ready: ready.clone(),
+                registry: registry.clone(),
+                auth: admin::Auth::from_config(config),
+                limits: admin::Limits::from_config(config),
+                topologies: topologies.clone(),
+                mode: config.cluster.mode.as_str(),
+                seal: pipeline.seal.clone(),
+                controls: opts.admin_controls,
+            })
         });
         let mut admin = Vec::new();
         if let (Some(addr), Some(state)) = (config.node.admin, &state) {

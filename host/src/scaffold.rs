@@ -377,13 +377,17 @@ pub fn build(dir: &Path, offline: bool) -> anyhow::Result<PathBuf> {
         Lang::Python => Some(format!("componentize-py {}", toolchain::COMPONENTIZE_PY)),
         Lang::Js => Some(format!("ComponentizeJS {}", toolchain::COMPONENTIZE_JS)),
     };
-    let inputs = toolchain
-        .and_then(|t| stamp::inputs(dir, &[&t, &project.entry, &project.wit, &project.world]).ok());
+    let inputs = toolchain.and_then(|t| stamp::inputs(dir, &[&t, &project.entry, &project.wit, &project.world]).ok());
     if let Some(i) = &inputs
         && stamp::fresh(&out, i)
     {
         let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
-        report(&out, &bytes, started, " (sources unchanged since the last build: its component, as it was)");
+        report(
+            &out,
+            &bytes,
+            started,
+            " (sources unchanged since the last build: its component, as it was)",
+        );
         return Ok(out);
     }
     eprintln!(

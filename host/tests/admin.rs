@@ -81,7 +81,10 @@ fn start(node: &str, slots: u32, port: u16) -> (tempfile::TempDir, std::process:
         .unwrap();
     let start = Instant::now();
     while get(port, "/health").is_none() {
-        assert!(start.elapsed() < Duration::from_secs(30), "the listener on {port} never came up");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the listener on {port} never came up"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     (dir, child)
@@ -201,7 +204,11 @@ fn promtool_openmetrics(om: &str, scratch: &std::path::Path) -> (i32, String) {
 #[test]
 fn metrics_negotiate_their_format_and_pass_promtool() {
     let port = common::http::free_port();
-    let (dir, mut child) = start(&format!("name = \"metrics-test\"\nadmin = \"127.0.0.1:{port}\""), 2, port);
+    let (dir, mut child) = start(
+        &format!("name = \"metrics-test\"\nadmin = \"127.0.0.1:{port}\""),
+        2,
+        port,
+    );
     let (code, head, text) = get_with(port, "/metrics", "Accept: text/plain; version=0.0.4\r\n").unwrap();
     assert_eq!(code, 200);
     assert!(head.contains("text/plain; version=0.0.4"), "{head}");

@@ -438,7 +438,10 @@ fn a_broker_that_is_down_is_reported_before_anything_is_compiled() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("cannot reach rabbitmq"), "{stderr}");
-    assert!(!stderr.contains("compiling"), "compiled before the broker was tried:\n{stderr}");
+    assert!(
+        !stderr.contains("compiling"),
+        "compiled before the broker was tried:\n{stderr}"
+    );
     assert_eq!(compiled_in(&home.path().join("weir")), 0);
 }
 

@@ -77,7 +77,12 @@ fn driver() -> PathBuf {
         );
         std::fs::write(&stamp, &lock).unwrap();
     }
-    for f in ["dashboard.mjs", "dashboard-tenant.mjs", "dashboard-canary.mjs", "dashboard-layout.mjs"] {
+    for f in [
+        "dashboard.mjs",
+        "dashboard-tenant.mjs",
+        "dashboard-canary.mjs",
+        "dashboard-layout.mjs",
+    ] {
         std::fs::copy(src.join(f), work.join(f)).unwrap();
     }
     work.join("dashboard.mjs")
@@ -252,11 +257,21 @@ async fn the_dashboard_shows_a_slot_move_and_redrives_a_dead_letter_on_a_click()
     // More than a page of dead letters, three of them rejected; messages flowing for the
     // rates; then the layout at two widths.
     for i in 0..113 {
-        let env = envelope::new_message(format!("dl-page-{i}"), "ok", Some(format!("g-{i}")), None, vec![], b"{}".to_vec());
+        let env = envelope::new_message(
+            format!("dl-page-{i}"),
+            "ok",
+            Some(format!("g-{i}")),
+            None,
+            vec![],
+            b"{}".to_vec(),
+        );
         let (reason, error) = if i % 40 == 7 {
             (Reason::Rejected, "order o-17: no price for sku x")
         } else {
-            (Reason::Exhausted, "inventory service unavailable (HTTP 503) after 5 attempts; the ladder is spent")
+            (
+                Reason::Exhausted,
+                "inventory service unavailable (HTTP 503) after 5 attempts; the ladder is spent",
+            )
         };
         let wire = dead_letter_wire(
             Captured::Envelope(&env),

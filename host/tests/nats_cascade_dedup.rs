@@ -223,7 +223,11 @@ async fn a_cascade_whose_puback_was_lost_lands_once_with_its_message_id() {
     let servers = tokio::task::spawn_blocking(NatsServers::single).await.unwrap();
     let run = lost_confirm_then_retry(&servers, true).await;
     assert_eq!(run.copies, 1, "the rerun's copy must be dropped by the server");
-    assert_eq!(run.cascade_runs, 1, "the cascade must run once: {:?}", run.cascade_outcomes);
+    assert_eq!(
+        run.cascade_runs, 1,
+        "the cascade must run once: {:?}",
+        run.cascade_outcomes
+    );
     assert_eq!(run.stats.cascades_uncertain, 1, "the lost PubAck is counted uncertain");
     assert_eq!(
         run.stats.cascades_duplicate, 1,
@@ -243,7 +247,11 @@ async fn negative_control_without_a_message_id_the_ghost_cascade_lands_twice() {
         run.copies, 2,
         "without a message id the rerun's copy lands beside the first"
     );
-    assert_eq!(run.cascade_runs, 2, "and the cascade runs twice: {:?}", run.cascade_outcomes);
+    assert_eq!(
+        run.cascade_runs, 2,
+        "and the cascade runs twice: {:?}",
+        run.cascade_outcomes
+    );
     assert_eq!(run.stats.cascades_uncertain, 1);
     assert_eq!(run.stats.cascades_duplicate, 0);
 }

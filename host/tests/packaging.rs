@@ -101,7 +101,10 @@ fn the_kubernetes_manifests_parse_and_carry_a_valid_config() {
     assert_eq!(notes["prometheus.io/path"].as_str(), Some("/metrics"));
     // The scrape holds no token: it goes to the metrics listener, which
     // asks for none (the admin listener's /metrics answers it 401).
-    assert!(cfg.node.admin_token.is_some(), "the manifest's admin listener has a token");
+    assert!(
+        cfg.node.admin_token.is_some(),
+        "the manifest's admin listener has a token"
+    );
     let metrics = cfg.node.metrics.expect("node.metrics in the manifest's config");
     assert_eq!(
         notes["prometheus.io/port"].as_str(),
@@ -110,7 +113,9 @@ fn the_kubernetes_manifests_parse_and_carry_a_valid_config() {
     );
     let ports = container["ports"].as_vec().expect("the container's ports");
     assert!(
-        ports.iter().any(|p| p["containerPort"].as_i64() == Some(i64::from(metrics.port()))),
+        ports
+            .iter()
+            .any(|p| p["containerPort"].as_i64() == Some(i64::from(metrics.port()))),
         "the container declares the metrics port"
     );
     // SIGTERM drains up to cluster.drain_deadline: the grace period must outlast it.

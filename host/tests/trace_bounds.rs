@@ -336,7 +336,11 @@ message_types = ["ok"]
     let grew_mib = (after.saturating_sub(before)) as f64 / 1024.0;
     println!(
         "{}: RSS {:.1} → {:.1} MiB ({grew_mib:+.1}), peak {:.1} MiB, over {MESSAGES} messages; spans dropped: {dropped:?}",
-        if otlp.is_some() { "traced to a silent collector" } else { "untraced (the anchor)" },
+        if otlp.is_some() {
+            "traced to a silent collector"
+        } else {
+            "untraced (the anchor)"
+        },
         before as f64 / 1024.0,
         after as f64 / 1024.0,
         peak as f64 / 1024.0,

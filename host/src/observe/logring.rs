@@ -211,7 +211,11 @@ mod tests {
         let bytes: usize = page.lines.iter().map(|l| l.text.len()).sum();
         assert!(bytes <= 8 * LINE_BYTES, "held {bytes} bytes");
         assert!(page.lines.len() >= 7, "held {} lines", page.lines.len());
-        assert!(page.lines[0].text.ends_with(&format!("[cut by weir: {} bytes]", 2 * LINE_BYTES)));
+        assert!(
+            page.lines[0]
+                .text
+                .ends_with(&format!("[cut by weir: {} bytes]", 2 * LINE_BYTES))
+        );
         assert_eq!(page.missed as usize + page.lines.len(), 100);
     }
 

@@ -81,7 +81,10 @@ pub fn python_exception(output: &str) -> Option<(String, Vec<String>)> {
     // The last traceback (a chained one ends with the exception that
     // escaped); a traceback whose start the pipe dropped begins at its
     // first frame.
-    let start = match lines.iter().rposition(|l| l.trim_end() == "Traceback (most recent call last):") {
+    let start = match lines
+        .iter()
+        .rposition(|l| l.trim_end() == "Traceback (most recent call last):")
+    {
         Some(t) => t + 1,
         None => lines.iter().position(|l| l.starts_with("  File \""))?,
     };
@@ -91,10 +94,7 @@ pub fn python_exception(output: &str) -> Option<(String, Vec<String>)> {
         .map_or(lines.len(), |p| start + p);
     let block = &lines[start..end];
     let last_frame = block.iter().rposition(|l| l.starts_with("  File \""))?;
-    let frames: Vec<String> = block[..=last_frame]
-        .iter()
-        .filter_map(|l| python_frame(l))
-        .collect();
+    let frames: Vec<String> = block[..=last_frame].iter().filter_map(|l| python_frame(l)).collect();
     // After the last frame: its source line, if the component kept the
     // sources (indented), then the exception, on one line or more.
     let exception: Vec<&str> = block[last_frame + 1..]
@@ -291,7 +291,10 @@ mod tests {
         assert_eq!(frames, ["app.py:9 in handle"]);
         // The pipe kept only the end: the frames it holds still count.
         let cut = "  File \"/0/app.py\", line 171, in explode\nValueError: boom\n";
-        assert_eq!(python_exception(cut).unwrap().0, "ValueError: boom (at app.py:171 in explode)");
+        assert_eq!(
+            python_exception(cut).unwrap().0,
+            "ValueError: boom (at app.py:171 in explode)"
+        );
         // A Rust panic is not a Python exception.
         assert_eq!(python_exception(OUTPUT), None);
     }

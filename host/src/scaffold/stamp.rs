@@ -20,7 +20,10 @@ const NOT_INPUTS: [&str; 6] = ["target", "node_modules", ".git", "__pycache__", 
 
 /// The stamp of `out` (`NAME.wasm`): `.NAME.wasm.inputs`.
 pub fn path(out: &Path) -> PathBuf {
-    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     out.with_file_name(format!(".{name}.inputs"))
 }
 

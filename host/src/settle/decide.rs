@@ -8,9 +8,9 @@ use super::capture::capture_envelope;
 use super::cascades::publish_cascades;
 use super::{Pending, Slot};
 use crate::bindings::weir::handler::types::Failure;
-use crate::observe::logring::Source;
 use crate::dedup;
 use crate::envelope::Envelope;
+use crate::observe::logring::Source;
 use crate::outcome::{Outcome, Reason};
 use crate::retry::schedule::Step;
 use crate::runtime::{CallOutcome, FaultKind};
@@ -155,14 +155,20 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
             result: Err(Failure::Reject(reason)),
             ..
         } => {
-            handler.settings.logs.push("warn", Source::Failure, Some(&env.id), &format!("rejected: {reason}"));
+            handler
+                .settings
+                .logs
+                .push("warn", Source::Failure, Some(&env.id), &format!("rejected: {reason}"));
             return capture_envelope(cx, &env, acker, Reason::Rejected, &reason, &source, Some(&handler), tag).await;
         }
         CallOutcome::Done {
             result: Err(Failure::Retry(reason)),
             ..
         } => {
-            handler.settings.logs.push("warn", Source::Failure, Some(&env.id), &format!("retry: {reason}"));
+            handler
+                .settings
+                .logs
+                .push("warn", Source::Failure, Some(&env.id), &format!("retry: {reason}"));
             (reason, Reason::Exhausted)
         }
         CallOutcome::Fault(f) if f.is_not_started() && !cancel_fails() => {
@@ -177,7 +183,10 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
             cx.sink.stats.faults.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(handler = handler.name(), message_id = %env.id, attempt = env.attempt, fault = %f, "guest fault");
             if f.kind != FaultKind::Cancelled {
-                handler.settings.logs.push("error", Source::Fault, Some(&env.id), &f.to_string());
+                handler
+                    .settings
+                    .logs
+                    .push("error", Source::Fault, Some(&env.id), &f.to_string());
             }
             match f.kind {
                 FaultKind::Cancelled if cancel_fails() => (f.to_string(), Reason::Timeout),

@@ -554,9 +554,7 @@ impl Drop for MemorySubscription {
                 .collect();
             let mut back: Vec<Stored> = mine
                 .iter()
-                .filter_map(|s| {
-                    g.unacked.remove(s).map(|h| Stored { seq: *s, blob: h.blob })
-                })
+                .filter_map(|s| g.unacked.remove(s).map(|h| Stored { seq: *s, blob: h.blob }))
                 .collect();
             back.sort_by_key(|s| Reverse(s.seq));
             for s in back {
@@ -661,7 +659,10 @@ mod tests {
     #[test]
     fn a_delivery_decoded_from_the_blob_is_what_decode_makes() {
         let wire = |headers: &[(&str, &str)]| Wire {
-            headers: headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
             body: b"payload".to_vec(),
         };
         for w in [
