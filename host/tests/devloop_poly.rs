@@ -46,6 +46,14 @@ struct Lang {
     break_reject: (&'static str, &'static str),
     /// (from, to) in the source: the default salutation changed.
     change: (&'static str, &'static str),
+    /// (from, to) in the source, with the change: an exception the handler does not
+    /// expect, thrown for the name "Boom" (issue 36 item 2).
+    fault: (&'static str, &'static str),
+    /// How its author would name that exception: type and message.
+    exception: &'static str,
+    /// Where it is thrown, as the fault text names it: the function, and the text of
+    /// the line (whose number is looked up in the edited source).
+    thrown_in: (&'static str, &'static str),
 }
 
 const PYTHON: Lang = Lang {
@@ -65,6 +73,12 @@ const PYTHON: Lang = Lang {
     passed: "OK",
     break_reject: (r#"raise reject(f"payload of \"greeting\" is not JSON: {e}")"#, "return"),
     change: (r#"or "Hello""#, r#"or "Howdy""#),
+    fault: (
+        r#"    if not name:"#,
+        "    if name == \"Boom\":\n        raise ValueError(f\"no greeting for {name}\")\n    if not name:",
+    ),
+    exception: "ValueError: no greeting for Boom",
+    thrown_in: ("greet", "raise ValueError("),
 };
 
 const JS: Lang = Lang {
@@ -89,6 +103,12 @@ const JS: Lang = Lang {
         "return;",
     ),
     change: ("?? 'Hello'", "?? 'Howdy'"),
+    fault: (
+        "  if (name === '') {",
+        "  if (name === 'Boom') throw new TypeError(`no greeting for ${name}`);\n  if (name === '') {",
+    ),
+    exception: "TypeError: no greeting for Boom",
+    thrown_in: ("greet", "throw new TypeError("),
 };
 
 /// Replace `from` by `to` in `file`, which must contain it.
@@ -268,6 +288,9 @@ name = "greeter"
 component = {wasm:?}
 topology = "greeter"
 message_types = ["greeting"]
+[topology.retry]
+ladder = []
+max_deliver = 1
 "#,
             lang = lang.new,
             wasm = wasm.display().to_string()
@@ -292,6 +315,12 @@ message_types = ["greeting"]
     .unwrap();
     wait_up(port);
     edit(&project.join(lang.source), lang.change);
+    edit(&project.join(lang.source), lang.fault);
+    let source = std::fs::read_to_string(project.join(lang.source)).unwrap();
+    let thrown_at = 1 + source
+        .lines()
+        .position(|l| l.contains(lang.thrown_in.1))
+        .expect("the line that throws");
     let rebuilt = weir(&project, &["build"]);
     assert!(rebuilt.status.success(), "{}", text(&rebuilt));
     let admin = format!("http://127.0.0.1:{port}");
@@ -338,6 +367,44 @@ message_types = ["greeting"]
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(greeted, r#"{"name":"Cy","text":"Howdy, Cy!"}"#);
+
+    // An exception the handler did not expect: its fault text names it as its author
+    // would, with the file and line it was thrown at (issue 36 item 2). What it says
+    // without that work, the runtime's own words, is in `trap_text`'s unit tests.
+    let boom = envelope::new_message(
+        "dev-boom".into(),
+        "greeting",
+        Some("g".into()),
+        None,
+        vec![],
+        br#"{"name":"Boom"}"#.to_vec(),
+    );
+    node.publish("greeter", &boom).await.unwrap();
+    let start = Instant::now();
+    let error = loop {
+        let dead = mem.dead_letters("greeter");
+        if let Some(w) = dead.iter().find(|w| w.header(header::MESSAGE_ID) == Some("dev-boom")) {
+            break w.header(header::ERROR).unwrap_or_default().to_owned();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the fault was not dead-lettered: {dead:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!("{}: the fault text: {error}", lang.new);
+    let (function, _) = lang.thrown_in;
+    let said = format!("{} (at {}:{thrown_at} in {function}) [", lang.exception, lang.source);
+    assert!(
+        error.strip_prefix("handler trapped: ").is_some_and(|e| e.starts_with(&said)),
+        "the fault text does not begin with {said:?}: {error}"
+    );
+    // Its second line: the frames that led there, the exported `handle` among them.
+    let frames = error.lines().nth(1).unwrap_or_default();
+    assert!(
+        frames.contains(&format!("{}:", lang.source)) && frames.contains(" in handle"),
+        "{error}"
+    );
     node.shutdown().await.unwrap();
     eprintln!(
         "{}: from an empty folder to a running node in {:.1?}",

@@ -128,14 +128,45 @@ fn python_frame(line: &str) -> Option<String> {
 /// A JavaScript exception that escaped `handle`. ComponentizeJS takes any
 /// thrown value for a `failure` and cannot lower one that is not
 /// (`invalid variant tag value \`undefined\` (received \`TypeError: …\`)
-/// specified for \`Failure\``): the thrown value as it printed it.
-pub fn js_exception(output: &str) -> Option<String> {
+/// specified for \`Failure\``): the thrown value as it printed it, and the
+/// frames of the last stack the guest wrote before it (the templates write an
+/// unexpected error's `stack` to stderr), most recent call first, as
+/// `FILE:LINE in FUNCTION`, the bindings' own frames left out.
+pub fn js_exception(output: &str) -> Option<(String, Vec<String>)> {
     const RECEIVED: &str = "(received `";
     const FOR_FAILURE: &str = "`) specified for `Failure`";
-    let start = output.rfind(RECEIVED)? + RECEIVED.len();
-    let rest = &output[start..];
+    let received = output.rfind(RECEIVED)?;
+    let rest = &output[received + RECEIVED.len()..];
     let thrown = &rest[..rest.find(FOR_FAILURE)?];
-    Some(thrown.lines().map(str::trim).collect::<Vec<_>>().join(" / "))
+    let thrown = thrown.lines().map(str::trim).collect::<Vec<_>>().join(" / ");
+    // The last block of frame lines before the bindings' message.
+    let before: Vec<&str> = output[..received].lines().collect();
+    let end = before.iter().rposition(|l| js_frame(l).is_some()).map_or(0, |e| e + 1);
+    let start = before[..end]
+        .iter()
+        .rposition(|l| js_frame(l).is_none())
+        .map_or(0, |s| s + 1);
+    let frames = before[start..end].iter().filter_map(|l| js_frame(l)).collect();
+    Some((thrown, frames))
+}
+
+/// `greet@/tmp/…/sources/handler.js:52:11` as `handler.js:52 in greet`
+/// (ComponentizeJS copies the sources to a temporary `sources/` folder); the
+/// bindings' `initializer.js` is not the guest's code.
+fn js_frame(line: &str) -> Option<String> {
+    let (function, place) = line.trim().split_once('@')?;
+    let (place, _column) = place.rsplit_once(':')?;
+    let (path, number) = place.rsplit_once(':')?;
+    if number.is_empty() || !number.chars().all(|c| c.is_ascii_digit()) || function.contains(' ') {
+        return None;
+    }
+    let path = path.strip_prefix("file://").unwrap_or(path);
+    let path = path.rsplit_once("/sources/").map_or(path, |(_, inner)| inner);
+    if path == "initializer.js" {
+        return None;
+    }
+    let function = if function.is_empty() { "?" } else { function };
+    Some(format!("{path}:{number} in {function}"))
 }
 
 /// The guest's own frames of a wasmtime error's wasm backtrace (`N: 0x… - name`
@@ -190,9 +221,17 @@ pub fn trap_text(
         return (text, false);
     }
     // The same for JavaScript, whose stack the bindings do not keep (the
-    // frames they print are their own).
-    if let Some(thrown) = output.and_then(js_exception) {
-        let text = format!("{thrown} [JavaScript exception thrown out of the handler; {cause}]");
+    // frames they print are their own): the guest's, when it wrote it.
+    if let Some((thrown, frames)) = output.and_then(js_exception) {
+        let mut text = thrown;
+        if let Some(at) = frames.first() {
+            text.push_str(&format!(" (at {at})"));
+        }
+        text.push_str(&format!(" [JavaScript exception thrown out of the handler; {cause}]"));
+        if frames.len() > 1 {
+            text.push_str("\nJavaScript stack (most recent call first): ");
+            text.push_str(&frames.join(" <- "));
+        }
         return (text, false);
     }
     let panic = output.and_then(panic_message);
@@ -316,6 +355,28 @@ mod tests {
         // The red baseline: without a panic, the words stood after the cause.
         assert_eq!(panic_message(output), None);
         assert_eq!(js_exception("a guest's own log line"), None);
+    }
+
+    #[test]
+    fn a_javascript_stack_the_guest_wrote_names_where_it_was_thrown() {
+        // The template writes an unexpected error's stack before rethrowing it.
+        let output = "greeting Ada (attempt 1)\nnot@a frame\n\
+                      greet@/tmp/1c2d/sources/handler.js:52:11\n\
+                      handle@/tmp/1c2d/sources/handler.js:37:5\n\
+                      export_handle@/tmp/1c2d/sources/initializer.js:445:17\n\
+                      invalid variant tag value `undefined` (received `TypeError: no greeting for Boom`) \
+                      specified for `Failure`\nStack:\n  export_handle@/tmp/1c2d/sources/initializer.js:445:17\n";
+        let cause = "wasm trap: wasm `unreachable` instruction executed";
+        let (text, _) = trap_text(cause, Some(output), None, None, PYTHON_ERROR);
+        assert_eq!(
+            text,
+            "TypeError: no greeting for Boom (at handler.js:52 in greet) [JavaScript exception thrown \
+             out of the handler; wasm trap: wasm `unreachable` instruction executed]\n\
+             JavaScript stack (most recent call first): handler.js:52 in greet <- handler.js:37 in handle"
+        );
+        // Without the stack, the message alone, as before.
+        let (bare, _) = trap_text(cause, Some(&output[output.find("invalid").unwrap()..]), None, None, "");
+        assert!(bare.starts_with("TypeError: no greeting for Boom [JavaScript"), "{bare}");
     }
 
     #[test]
