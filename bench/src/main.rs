@@ -730,7 +730,7 @@ fn e2e_shaped(
 
 fn e2e(o: &Opts, mode: config::InstanceMode, name: &'static str, batch: Option<u32>) -> anyhow::Result<Row> {
     // The same runtime `weir run` builds: multi-thread, one worker per core.
-    let tokio_rt = node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let n = if mode == config::InstanceMode::Fresh {
         o.fresh_messages
     } else {
@@ -812,7 +812,7 @@ fn drain_rows(
     bare: impl AsyncFn(u64, Option<&anchor::Anchor>) -> anyhow::Result<Drain>,
     weir: impl AsyncFn(u64) -> anyhow::Result<Drain>,
 ) -> anyhow::Result<Vec<Row>> {
-    let tokio_rt = node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let n = o.drain_messages;
     let wasm = anchor::Anchor::new()?;
     // Warm-up (compiles the guest into the cache), discarded.
@@ -1240,7 +1240,7 @@ fn run_scenario(s: &'static str, o: &Opts, rt: Option<&Arc<Runtime>>, rows: &mut
             let peak = match rows.iter().find(|r| r.name == "e2e-reuse") {
                 Some(r) => 1e9 / r.ns(),
                 None => {
-                    let tokio_rt = node::async_runtime()?;
+                    let tokio_rt = weir::sched::async_runtime()?;
                     let n = o.messages.min(100_000);
                     let run = e2e_once(&tokio_rt, o, config::InstanceMode::Reuse, n, None)?;
                     n as f64 / run.wall.as_secs_f64()

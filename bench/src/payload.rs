@@ -68,7 +68,7 @@ const SIZES: [(&str, usize); 3] = [
 const BYTES_PER_RUN: u64 = 512 << 20;
 
 pub fn payload_size(o: &Opts) -> anyhow::Result<Vec<Row>> {
-    let tokio_rt = weir::node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let config = crate::bench_config(o.slots, o.prefetch, weir::config::InstanceMode::Reuse, None);
     let mut rows = Vec::new();
     for (name, size) in SIZES {

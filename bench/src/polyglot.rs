@@ -159,7 +159,7 @@ fn per_call(exec: &mut Executor, v: &Arc<HandlerVersion>, msg: &Envelope, n: u64
 /// wall time and process CPU time from `Node::start` (the handler loaded from the code
 /// cache, milliseconds) until all are handled.
 fn e2e_once(o: &Opts, g: &Guest, cache: &Path) -> anyhow::Result<(Duration, Duration)> {
-    let tokio_rt = node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let handler = config::Handler::new("orders", &g.component, TOPOLOGY, vec!["order.paid".into()]);
     let cfg = Config {
         node: config::Node {

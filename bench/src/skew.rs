@@ -93,7 +93,7 @@ pub fn spin_config(o: &Opts, slots: u32, spin_us: u64) -> Config {
 /// `skew-zipf` / `skew-hot`: throughput with a guest spending `--spin-us`
 /// of CPU per message, against the ideal `cores / spin`.
 pub fn skew(o: &Opts, name: &'static str, hot_share: f64) -> anyhow::Result<Row> {
-    let tokio_rt = node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let zipf = Zipf::new(SKEW_GROUPS, ZIPF_S);
     let config = spin_config(o, o.slots, o.spin_us);
     let n = o.skew_messages;
@@ -169,7 +169,7 @@ fn rss_kib() -> (u64, u64) {
 
 /// Child-process side of `rss-idle` / `rss-loaded`: prints one JSON line.
 pub fn rss_probe(o: &Opts, which: &str) -> anyhow::Result<()> {
-    let tokio_rt = node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let broker = MemoryBroker::new();
     let transport: Arc<dyn Transport> = Arc::new(broker.clone());
     let cache = o.out.parent().map(|p| p.join("cache"));
@@ -336,7 +336,7 @@ impl LatencyBroker {
 pub fn latency(o: &Opts, name: &'static str, peak: f64, broker: LatencyBroker) -> anyhow::Result<Row> {
     let rate = o.latency_rate.unwrap_or(peak / 2.0);
     let n = ((rate * o.latency_seconds).round() as u64).max(1000);
-    let tokio_rt = node::async_runtime()?;
+    let tokio_rt = weir::sched::async_runtime()?;
     let memory = MemoryBroker::new();
     let (topo, config) = match broker {
         LatencyBroker::Memory => (

@@ -19,7 +19,7 @@ use sqlx::PgPool;
 use crate::admin::{self, AdminState};
 use crate::cluster::slots::{SlotKey, SlotSet};
 use crate::cluster::{self, Coordinator, Start};
-use crate::config::{ClusterMode, Config, TransportKind};
+use crate::config::{ClusterMode, Config};
 use crate::dispatch::{InjectedPanic, Pipeline, RunnerReport, TopologySettings};
 use crate::envelope::Envelope;
 use crate::ingress::forward_ingress;
@@ -27,12 +27,9 @@ use crate::observe::CallObserver;
 use crate::observe::stats::Stats;
 use crate::outcome::SettleObserver;
 use crate::registry::Registry;
-use crate::router::{BatchRule, Router};
+use crate::router::Router;
 use crate::runtime::pool::WorkerPool;
 use crate::runtime::{Runtime, RuntimeOptions};
-use crate::transport::memory::MemoryBroker;
-use crate::transport::nats::Nats;
-use crate::transport::rabbitmq::RabbitMq;
 use crate::transport::{TopologySpec, Transport, TransportError};
 
 pub use crate::runtime::bundled;
@@ -135,61 +132,6 @@ pub struct Node {
     followers: Vec<JoinHandle<()>>,
 }
 
-/// Threads for the async side (broker I/O, lanes, settlement). The Wasm
-/// workers take one thread per core; the async side needs far less, and on a
-/// 2-core machine one thread beat two by 20 % end to end (BENCHMARKS.md).
-pub fn async_threads() -> usize {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-    (cores / 2).max(1)
-}
-
-/// The async runtime `weir` runs on (see [`async_threads`]).
-pub fn async_runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(async_threads())
-        .enable_all()
-        .build()
-}
-
-/// Build the transport a config asks for.
-pub fn transport_for(config: &Config) -> anyhow::Result<Arc<dyn Transport>> {
-    match config.transport.kind {
-        TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
-        TransportKind::Rabbitmq => {
-            let urls = config.transport.urls();
-            if urls.is_empty() {
-                anyhow::bail!(
-                    "{}: transport.url is required for transport.kind = \"rabbitmq\", e.g. \"amqp://guest:guest@127.0.0.1:5672/%2f\"",
-                    config.origin
-                );
-            }
-            Ok(Arc::new(RabbitMq::with_settings(
-                urls,
-                format!("weir {}", config.node.name),
-                config.transport.queue_type(),
-            )))
-        }
-        TransportKind::Nats => {
-            let urls = config.transport.urls();
-            if urls.is_empty() {
-                anyhow::bail!(
-                    "{}: transport.url is required for transport.kind = \"nats\", e.g. \"nats://127.0.0.1:4222\"",
-                    config.origin
-                );
-            }
-            let options = crate::transport::nats::NatsOptions {
-                replicas: config.transport.replicas(),
-                ..Default::default()
-            };
-            Ok(Arc::new(Nats::with_urls(
-                urls,
-                format!("weir {}", config.node.name),
-                options,
-            )))
-        }
-    }
-}
-
 /// Check topology `index`'s retry schedule against what the broker reports
 /// (stream retention, consumer `AckWait`): errors refuse the start, warnings
 /// are logged. Brokers without such facts are not asked twice: the config's
@@ -271,36 +213,6 @@ fn start_runtime(config: &Config, opts: &NodeOptions) -> anyhow::Result<Arc<Runt
         Some(o) => Runtime::with_observer(rt_opts, o)?,
         None => Runtime::new(rt_opts)?,
     })
-}
-
-/// Bind every handler's message types (and batch rules) in a router.
-pub fn bind_handlers(config: &Config) -> anyhow::Result<Router> {
-    let mut router = Router::new();
-    for (i, h) in config.handler.iter().enumerate() {
-        let types = h
-            .message_types
-            .iter()
-            .chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
-        for t in types {
-            if let Some(prev) = router.bind(&h.topology, h.tenant.as_deref(), t, &h.name)
-                && prev != h.name
-            {
-                bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
-            }
-        }
-        if let Some(b) = &h.batch {
-            let rule = BatchRule {
-                handler: Arc::from(h.name.as_str()),
-                size: b.size as usize,
-                linger: b.linger,
-            };
-            router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
-        }
-        if h.on_failure == crate::config::OnFailure::Park {
-            router.park(&h.topology, h.tenant.as_deref(), &h.message_types, &h.name);
-        }
-    }
-    Ok(router)
 }
 
 /// The coordinator database (`postgres` mode): connected and migrated.
@@ -464,25 +376,7 @@ async fn open_parked(
 async fn declare_topologies(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
     declare_each(config, transport)
         .await
-        .map_err(|e| unreachable_broker(config, transport.system(), e))
-}
-
-/// A broker that cannot be reached at start: the error says which key of
-/// which file to check, before what the client saw (`weir run`, `weir
-/// publish`, `weir dead-letters`).
-pub fn unreachable_broker(config: &Config, system: &str, e: anyhow::Error) -> anyhow::Error {
-    let down = e.chain().any(|c| {
-        c.downcast_ref::<TransportError>()
-            .is_some_and(|t| matches!(t.kind, crate::transport::ErrorKind::Connection))
-    });
-    if down {
-        e.context(format!(
-            "{}: transport.url: cannot reach {system} (is the broker running, and is the URL right?)",
-            config.origin
-        ))
-    } else {
-        e
-    }
+        .map_err(|e| crate::transport::connect::unreachable(config, transport.system(), e))
 }
 
 async fn declare_each(config: &Config, transport: &dyn Transport) -> anyhow::Result<HashMap<String, u32>> {
@@ -612,7 +506,7 @@ impl Node {
     /// Declare topologies, load handlers, and start consuming the owned slots.
     pub async fn start(config: &Config, transport: Arc<dyn Transport>, opts: NodeOptions) -> anyhow::Result<Self> {
         let runtime = start_runtime(config, &opts)?;
-        let router = Arc::new(bind_handlers(config)?);
+        let router = Arc::new(Router::from_config(config)?);
         let database = connect_database(config).await?;
         // The broker before the handlers: a broker that is down is said at once, not after
         // seconds of compiling (a Python or JavaScript handler's first compile).

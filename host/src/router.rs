@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
+use crate::config::{Config, OnFailure};
 use crate::envelope::{Envelope, header};
 use crate::runtime::HandlerVersion;
 
@@ -104,6 +105,36 @@ pub struct Router {
 }
 
 impl Router {
+    /// Every handler of `config` bound: its message types, batch rules and park rule.
+    pub fn from_config(config: &Config) -> anyhow::Result<Router> {
+        let mut router = Router::new();
+        for (i, h) in config.handler.iter().enumerate() {
+            let types = h
+                .message_types
+                .iter()
+                .chain(h.batch.iter().flat_map(|b| b.message_types.iter()));
+            for t in types {
+                if let Some(prev) = router.bind(&h.topology, h.tenant.as_deref(), t, &h.name)
+                    && prev != h.name
+                {
+                    anyhow::bail!("handler[{i}].message_types: `{t}` is already bound to handler `{prev}`");
+                }
+            }
+            if let Some(b) = &h.batch {
+                let rule = BatchRule {
+                    handler: Arc::from(h.name.as_str()),
+                    size: b.size as usize,
+                    linger: b.linger,
+                };
+                router.batch(&h.topology, h.tenant.as_deref(), &b.message_types, rule);
+            }
+            if h.on_failure == OnFailure::Park {
+                router.park(&h.topology, h.tenant.as_deref(), &h.message_types, &h.name);
+            }
+        }
+        Ok(router)
+    }
+
     /// An empty router.
     pub fn new() -> Self {
         Self::default()

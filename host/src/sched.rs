@@ -1,5 +1,5 @@
-//! Thread priorities (a leaf): the lease loop above everything, compilers
-//! and failing tenants' work below it.
+//! Threads (a leaf): how many the async side gets, and their priorities: the
+//! lease loop above everything, compilers and failing tenants' work below it.
 //!
 //! A thread remembers how it lowered itself, so that a fence can lift a
 //! lowered thread's call back to normal priority from outside (it must end
@@ -101,4 +101,20 @@ pub fn idle_current_thread() -> std::io::Result<()> {
         }
     }
     nice_current_thread(19)
+}
+
+/// Threads for the async side (broker I/O, lanes, settlement). The Wasm
+/// workers take one thread per core; the async side needs far less, and on a
+/// 2-core machine one thread beat two by 20 % end to end (BENCHMARKS.md).
+pub fn async_threads() -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    (cores / 2).max(1)
+}
+
+/// The async runtime `weir` runs on (see [`async_threads`]).
+pub fn async_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(async_threads())
+        .enable_all()
+        .build()
 }

@@ -236,7 +236,7 @@ async fn posted_messages_go_through_rabbitmq() {
         &topo.name,
     );
     let cfg = config::parse(&text, "<admin publish test>").unwrap();
-    let transport = weir::node::transport_for(&cfg).unwrap();
+    let transport = weir::transport::connect::for_config(&cfg).unwrap();
     let node = start(&text, transport, seen.clone()).await;
     wait_up(port);
     let name = topo.name.clone();

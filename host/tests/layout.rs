@@ -1,6 +1,7 @@
 //! The layout keeps its shape: no import circle between the top-level
 //! modules of `host/src`, none between its files, and nothing imports
-//! `node` (the composition root) but the demo.
+//! `node` (the composition root) but the demo; and `main.rs` (the `weir`
+//! binary) parses and hands its command to `cli/`, the command line's wing.
 //!
 //! It reads the sources, not the compiler: every `crate::…` and `super::…`
 //! path outside comments and `#[cfg(test)]` blocks (in `use` trees and in
@@ -583,4 +584,39 @@ fn the_guest_sdk_binds_the_same_wit_as_the_host() {
         host == sdk,
         "guest-sdk/wit/handler.wit differs from wit/0.3.0/handler.wit: copy wit/0.3.0/handler.wit over it"
     );
+}
+
+/// What `main.rs` may hold besides comments: `mod cli;` as its only module
+/// (every subcommand lives in the command line's wing, `cli/`) and `main` as
+/// its only function (parse, set up logging, hand the command over).
+fn main_shape(source: &str) -> Result<(), String> {
+    let code = strip(source);
+    let mods = child_modules(&code);
+    if mods != ["cli"] {
+        return Err(format!(
+            "main.rs declares the modules {mods:?}; only `cli` belongs there"
+        ));
+    }
+    let fns: Vec<&str> = code
+        .split("fn ")
+        .skip(1)
+        .filter_map(|rest| rest.split(['(', '<']).next())
+        .collect();
+    if fns != ["main"] {
+        return Err(format!(
+            "main.rs defines the functions {fns:?}; only `main` belongs there"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn main_rs_parses_and_hands_the_command_to_cli() {
+    let main = std::fs::read_to_string(src_dir().join("main.rs")).unwrap();
+    main_shape(&main).unwrap_or_else(|e| panic!("{e}"));
+    // Negative control: the shape main.rs had grown to (a subcommand's
+    // module beside `cli`, and the command's work in its own functions).
+    let grown = "mod call;\nmod cli;\nfn main() {}\nfn run(cli: Cli) {}\n";
+    assert!(main_shape(grown).is_err());
+    assert!(main_shape("mod cli;\nfn main() {}\nfn drain() {}\n").is_err());
 }

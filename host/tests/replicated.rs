@@ -265,7 +265,7 @@ async fn three_replicas_on_a_single_nats_server_are_refused_naming_the_key() {
     let mut cfg = compliance::config(&subject, &topo.name, 2, &[ms(500)], 3, "replicas-node");
     cfg.transport.replicas = Some(3);
     cfg.validate().expect("valid as a config: the server decides");
-    let t = weir::node::transport_for(&cfg).unwrap();
+    let t = weir::transport::connect::for_config(&cfg).unwrap();
     let spec = TopologySpec::new(&topo.name, 2);
     let e = t.declare(&spec).await.expect_err("R3 on one server");
     let text = e.to_string();
@@ -280,7 +280,7 @@ async fn three_replicas_on_a_single_nats_server_are_refused_naming_the_key() {
     );
 
     cfg.transport.replicas = Some(1);
-    let t = weir::node::transport_for(&cfg).unwrap();
+    let t = weir::transport::connect::for_config(&cfg).unwrap();
     t.declare(&spec).await.expect("one replica on one server");
     let info = js
         .get_stream(weir::transport::nats::names::stream(&topo.name))
@@ -359,7 +359,7 @@ max_deliver = 3
         name = topo.name,
     );
     let cfg = weir::config::parse(&text, "<replicated test>").expect("valid");
-    let t = weir::node::transport_for(&cfg).unwrap();
+    let t = weir::transport::connect::for_config(&cfg).unwrap();
     let mut spec = TopologySpec::new(&topo.name, 1);
     spec.retry.ladder = vec![ms(400)];
     t.declare(&spec).await.expect("declared through the second URL");
@@ -374,7 +374,7 @@ max_deliver = 3
         name = nats.name,
     );
     let cfg = weir::config::parse(&text, "<replicated test>").expect("valid");
-    let t = weir::node::transport_for(&cfg).unwrap();
+    let t = weir::transport::connect::for_config(&cfg).unwrap();
     t.declare(&TopologySpec::new(&nats.name, 1))
         .await
         .expect("declared through the second URL");

@@ -34,7 +34,52 @@ pub use units::ByteSize;
 use units::{de_duration, de_duration_list, de_duration_opt};
 
 use crate::retry::schedule::{Redelivery, RetryPolicy, Schedule};
-pub use crate::transport::rabbitmq::QueueType;
+
+/// `transport.queue_type`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueType {
+    /// Classic queues (one node holds each queue): the default.
+    #[default]
+    Classic,
+    /// Quorum queues, replicated over the cluster (RabbitMQ 3.10 or later when
+    /// the topology has a retry ladder).
+    Quorum,
+}
+
+impl QueueType {
+    /// The name as written in the config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+impl std::fmt::Display for QueueType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `url` with its credentials hidden, for logs and errors: the user
+/// information (everything of the authority before its last `@`, so a
+/// password holding an unescaped `@` stays hidden) becomes `***`. An `@` in
+/// the path, query or fragment is not a credential and is left alone.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let authority_start = scheme_end + 3;
+    let authority_end = url[authority_start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| authority_start + i);
+    match url[authority_start..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..authority_start], &url[authority_start + at..]),
+        None => url.to_owned(),
+    }
+}
 
 /// A whole config file.
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -161,7 +161,7 @@ impl Config {
         let t = &self.transport;
         let kind = t.kind.as_str();
         let urls = t.urls();
-        let shown = |u: &str| crate::transport::redact_url(u);
+        let shown = |u: &str| super::redact_url(u);
         match t.kind {
             TransportKind::Rabbitmq if urls.is_empty() => errors.add(
                 "transport.url",

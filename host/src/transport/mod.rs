@@ -3,6 +3,7 @@
 //! [`Disposition`], which each broker turns into acks in one function
 //! ([`Acker::settle`]). Everything above this module is broker-neutral.
 
+pub mod connect;
 pub mod dead_letters;
 pub mod limits;
 pub mod memory;
@@ -17,23 +18,7 @@ use async_trait::async_trait;
 use crate::envelope::{self, DecodeError, Envelope, Wire};
 use crate::partition;
 
-/// `url` with its credentials hidden, for logs and errors: the user
-/// information (everything of the authority before its last `@`, so a
-/// password holding an unescaped `@` stays hidden) becomes `***`. An `@` in
-/// the path, query or fragment is not a credential and is left alone.
-pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_owned();
-    };
-    let authority_start = scheme_end + 3;
-    let authority_end = url[authority_start..]
-        .find(['/', '?', '#'])
-        .map_or(url.len(), |i| authority_start + i);
-    match url[authority_start..authority_end].rfind('@') {
-        Some(at) => format!("{}***{}", &url[..authority_start], &url[authority_start + at..]),
-        None => url.to_owned(),
-    }
-}
+pub use crate::config::redact_url;
 
 /// Negative control for the drain tests, never for production: with this
 /// environment variable set to `1` a drained subscription and the node's

@@ -27,37 +27,10 @@
 use std::fmt;
 
 use lapin::types::{AMQPValue, FieldTable};
-use serde::Deserialize;
 
 use crate::transport::{ErrorKind, TransportError};
 
-/// `transport.queue_type`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum QueueType {
-    /// Classic queues (one node holds each queue): the default.
-    #[default]
-    Classic,
-    /// Quorum queues, replicated over the cluster (RabbitMQ 3.10 or later when
-    /// the topology has a retry ladder).
-    Quorum,
-}
-
-impl QueueType {
-    /// The name as written in the config.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            QueueType::Classic => "classic",
-            QueueType::Quorum => "quorum",
-        }
-    }
-}
-
-impl fmt::Display for QueueType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::config::QueueType;
 
 /// The `x-delivery-limit` of every quorum queue Weir declares (module docs):
 /// the largest AMQP signed 32-bit integer, so that only returns that never

@@ -64,27 +64,27 @@ impl Lang {
 const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The WIT the Rust SDK binds (0.3.0: the message as a host-owned resource).
-const WIT: &str = include_str!("../../guest-sdk/wit/handler.wit");
+const WIT: &str = include_str!("../../../guest-sdk/wit/handler.wit");
 
 /// The WIT the Python and JavaScript templates bind (0.2.0: the message as
 /// a record), until their shims move to 0.3.0.
-const WIT_RECORD: &str = include_str!("../../wit/handler.wit");
+const WIT_RECORD: &str = include_str!("../../../wit/handler.wit");
 
 /// (path in the project, template); `{{name}}` and `{{sdk_version}}` are filled in.
 const RUST: [(&str, &str); 9] = [
-    ("Cargo.toml", include_str!("../templates/rust/Cargo.toml.tmpl")),
-    ("src/lib.rs", include_str!("../templates/rust/lib.rs.tmpl")),
-    ("README.md", include_str!("../templates/rust/README.md.tmpl")),
-    (".gitignore", include_str!("../templates/rust/gitignore.tmpl")),
-    ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
+    ("Cargo.toml", include_str!("../../templates/rust/Cargo.toml.tmpl")),
+    ("src/lib.rs", include_str!("../../templates/rust/lib.rs.tmpl")),
+    ("README.md", include_str!("../../templates/rust/README.md.tmpl")),
+    (".gitignore", include_str!("../../templates/rust/gitignore.tmpl")),
+    ("weir.toml", include_str!("../../templates/rust/weir.toml.tmpl")),
     (
         "weir-guest/Cargo.toml",
-        include_str!("../templates/rust/sdk-Cargo.toml.tmpl"),
+        include_str!("../../templates/rust/sdk-Cargo.toml.tmpl"),
     ),
-    ("weir-guest/src/lib.rs", include_str!("../../guest-sdk/src/lib.rs")),
+    ("weir-guest/src/lib.rs", include_str!("../../../guest-sdk/src/lib.rs")),
     (
         "weir-guest/src/testing.rs",
-        include_str!("../../guest-sdk/src/testing.rs"),
+        include_str!("../../../guest-sdk/src/testing.rs"),
     ),
     ("weir-guest/wit/handler.wit", WIT),
 ];
@@ -93,37 +93,43 @@ const RUST: [(&str, &str); 9] = [
 const PYTHON: [(&str, &str); 8] = [
     (
         "pyproject.toml",
-        include_str!("../templates/python/pyproject.toml.tmpl"),
+        include_str!("../../templates/python/pyproject.toml.tmpl"),
     ),
-    ("app.py", include_str!("../templates/python/app.py.tmpl")),
-    ("test_app.py", include_str!("../templates/python/test_app.py.tmpl")),
+    ("app.py", include_str!("../../templates/python/app.py.tmpl")),
+    ("test_app.py", include_str!("../../templates/python/test_app.py.tmpl")),
     (
         "weir_testing.py",
-        include_str!("../templates/python/weir_testing.py.tmpl"),
+        include_str!("../../templates/python/weir_testing.py.tmpl"),
     ),
-    ("README.md", include_str!("../templates/python/README.md.tmpl")),
-    (".gitignore", include_str!("../templates/python/gitignore.tmpl")),
-    ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
+    ("README.md", include_str!("../../templates/python/README.md.tmpl")),
+    (".gitignore", include_str!("../../templates/python/gitignore.tmpl")),
+    ("weir.toml", include_str!("../../templates/rust/weir.toml.tmpl")),
     ("wit/handler.wit", WIT_RECORD),
 ];
 
 /// (path in the project, template); `{{name}}` and `{{componentize_js}}` are filled in.
 const JS: [(&str, &str); 10] = [
-    ("package.json", include_str!("../templates/js/package.json.tmpl")),
-    ("handler.js", include_str!("../templates/js/handler.js.tmpl")),
-    ("handler.test.js", include_str!("../templates/js/handler.test.js.tmpl")),
-    ("testing/host.js", include_str!("../templates/js/testing-host.js.tmpl")),
+    ("package.json", include_str!("../../templates/js/package.json.tmpl")),
+    ("handler.js", include_str!("../../templates/js/handler.js.tmpl")),
+    (
+        "handler.test.js",
+        include_str!("../../templates/js/handler.test.js.tmpl"),
+    ),
+    (
+        "testing/host.js",
+        include_str!("../../templates/js/testing-host.js.tmpl"),
+    ),
     (
         "testing/register.js",
-        include_str!("../templates/js/testing-register.js.tmpl"),
+        include_str!("../../templates/js/testing-register.js.tmpl"),
     ),
     (
         "testing/hooks.js",
-        include_str!("../templates/js/testing-hooks.js.tmpl"),
+        include_str!("../../templates/js/testing-hooks.js.tmpl"),
     ),
-    ("README.md", include_str!("../templates/js/README.md.tmpl")),
-    (".gitignore", include_str!("../templates/js/gitignore.tmpl")),
-    ("weir.toml", include_str!("../templates/rust/weir.toml.tmpl")),
+    ("README.md", include_str!("../../templates/js/README.md.tmpl")),
+    (".gitignore", include_str!("../../templates/js/gitignore.tmpl")),
+    ("weir.toml", include_str!("../../templates/rust/weir.toml.tmpl")),
     ("wit/handler.wit", WIT_RECORD),
 ];
 

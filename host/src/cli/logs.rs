@@ -11,7 +11,7 @@ use anyhow::bail;
 use weir::config;
 use weir::observe::logring::{Line, Source};
 
-use crate::status::get_json;
+use crate::cli::status::get_json;
 
 /// What `weir logs` was asked.
 pub struct Request {

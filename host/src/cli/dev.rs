@@ -26,7 +26,7 @@ use weir::outcome::{Outcome, Reason, SettleObserver};
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{RetryFacts, RetryOwner, Subscription, TopologySpec, Transport, TransportError};
 
-use crate::{deploy, scaffold};
+use crate::cli::{deploy, scaffold};
 
 /// The project's own node config, when it has one (`weir new` writes it).
 pub const CONFIG_FILE: &str = "weir.toml";
@@ -136,7 +136,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
         inner: broker,
         printer: printer.clone(),
     });
-    let rt = crate::runtime()?;
+    let rt = crate::cli::runtime()?;
     rt.block_on(async {
         let node = Node::start(
             &cfg,
@@ -145,7 +145,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
                 call_observer: Some(printer.clone()),
                 settle_observer: Some(printer.clone()),
                 runtime: weir::runtime::RuntimeOptions {
-                    cache_dir: crate::call::cache_dir(),
+                    cache_dir: crate::cli::call::cache_dir(),
                     ..weir::runtime::RuntimeOptions::default()
                 },
                 ..NodeOptions::default()
@@ -443,7 +443,7 @@ impl Printer {
         let id = wire.header(header::MESSAGE_ID).unwrap_or("?");
         let kind = wire.header(header::MESSAGE_TYPE).unwrap_or("?");
         let group = wire.header(header::GROUP_ID).filter(|g| !g.is_empty()).unwrap_or("-");
-        let payload = crate::call::show_payload(&wire.body);
+        let payload = crate::cli::call::show_payload(&wire.body);
         let cascade = self.settling.lock().map(|s| !s.is_empty()).unwrap_or(false);
         if cascade {
             if let Ok(mut c) = self.cascades.lock() {

@@ -19,15 +19,15 @@ pub const COMPONENTIZE_JS: &str = "0.23.0";
 
 /// The `npm ci` inputs of the ComponentizeJS install (its lockfile pins every
 /// transitive package, including the preview2 shim it imports).
-const JS_PACKAGE: &str = include_str!("../../../examples/js/orders/package.json");
-const JS_LOCK: &str = include_str!("../../../examples/js/orders/package-lock.json");
+const JS_PACKAGE: &str = include_str!("../../../../examples/js/orders/package.json");
+const JS_LOCK: &str = include_str!("../../../../examples/js/orders/package-lock.json");
 
 /// Written last into a toolchain's folder: an install that stopped halfway has none.
 const INSTALLED: &str = ".weir-installed";
 
 /// `$XDG_CACHE_HOME/weir/toolchains`, else `~/.cache/weir/toolchains`.
 pub fn cache_root() -> anyhow::Result<PathBuf> {
-    crate::call::cache_dir()
+    crate::cli::call::cache_dir()
         .map(|d| d.join("toolchains"))
         .context("neither XDG_CACHE_HOME nor HOME is set, so there is no cache to install the toolchain into")
 }
@@ -245,7 +245,7 @@ mod tests {
 
     #[test]
     fn the_pins_are_the_examples() {
-        let requirements = include_str!("../../../examples/python/orders/requirements.txt");
+        let requirements = include_str!("../../../../examples/python/orders/requirements.txt");
         assert!(
             requirements.contains(&format!("componentize-py=={COMPONENTIZE_PY}")),
             "{requirements}"

@@ -12,7 +12,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use weir::config::{self, Config};
 use weir::deadletter::{self, Filter, LetterView, PinCheck, Progress, Selection};
-use weir::node;
 use weir::router::Router;
 use weir::transport::{TopologySpec, Transport};
 
@@ -194,7 +193,7 @@ async fn target(common: &Common) -> anyhow::Result<Target> {
             ),
         },
     };
-    let transport = node::transport_for(&cfg)?;
+    let transport = weir::transport::connect::for_config(&cfg)?;
     transport
         .declare(&TopologySpec {
             name: topo.name.clone(),
@@ -203,7 +202,7 @@ async fn target(common: &Common) -> anyhow::Result<Target> {
         })
         .await
         .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))
-        .map_err(|e| node::unreachable_broker(&cfg, transport.system(), e))?;
+        .map_err(|e| weir::transport::connect::unreachable(&cfg, transport.system(), e))?;
     let (name, slots) = (topo.name.clone(), topo.slots);
     Ok(Target {
         cfg,
@@ -289,7 +288,7 @@ fn emit(text: &str) {
 
 /// Run a `weir dead-letters` subcommand.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
-    let rt = node::async_runtime().context("starting the async runtime")?;
+    let rt = weir::sched::async_runtime().context("starting the async runtime")?;
     rt.block_on(async move {
         match command {
             Command::List {
@@ -659,7 +658,7 @@ async fn redrive(
     if let Some(pin) = &handler_version {
         let check = StoredPins {
             cfg: &t.cfg,
-            router: node::bind_handlers(&t.cfg)?,
+            router: weir::router::Router::from_config(&t.cfg)?,
             database,
         };
         if let Err(why) = deadletter::check_pin(&t.name, &selection.selected, pin, &check).await {

@@ -102,7 +102,7 @@ pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
     if req.message_type.is_empty() {
         bail!("--type must not be empty");
     }
-    let transport = node::transport_for(cfg)?;
+    let transport = weir::transport::connect::for_config(cfg)?;
     transport
         .declare(&TopologySpec {
             name: topo.name.clone(),
@@ -111,7 +111,7 @@ pub async fn run(cfg: &Config, req: Request) -> anyhow::Result<String> {
         })
         .await
         .with_context(|| format!("declaring topology `{}` on {}", topo.name, transport.system()))
-        .map_err(|e| node::unreachable_broker(cfg, transport.system(), e))?;
+        .map_err(|e| weir::transport::connect::unreachable(cfg, transport.system(), e))?;
 
     let bar = if req.count >= BAR_FROM {
         let bar = ProgressBar::new(req.count);

@@ -13,7 +13,7 @@ use anyhow::{Context as _, bail};
 use weir::config;
 use weir::registry::shared::Shared;
 
-use crate::status::{get_json, shared_store};
+use crate::cli::status::{get_json, shared_store};
 
 /// What `weir handlers` was asked.
 pub struct Request {
@@ -227,7 +227,7 @@ pub fn read(req: &Request) -> anyhow::Result<Vec<Merged>> {
                 token = token.or_else(|| cfg.node.admin_token.clone());
             }
             None if cfg.cluster.leased() => {
-                let rows = crate::runtime()?.block_on(async {
+                let rows = crate::cli::runtime()?.block_on(async {
                     match shared_store(&cfg).await? {
                         Some(store) => from_store(store.as_ref(), &cfg).await,
                         None => Ok(Vec::new()),

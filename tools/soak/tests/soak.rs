@@ -1,4 +1,4 @@
-//! The chaos soak (`weir-soak`, host/src/bin/weir-soak) as part of the
+//! The chaos soak (`weir-soak`, tools/soak) as part of the
 //! suite: a two-minute run per broker in `postgres` mode, and one on NATS in
 //! `nats-kv` mode (three `weir run` processes; kill -9, SIGTERM, scaling,
 //! broker cuts, coordination stalls and outages) must exit 0: nothing lost,
@@ -13,7 +13,7 @@
 //! (configs, node logs, `events.log`, `summary.json`) and names it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "../host/tests/common/mod.rs"]
+#[path = "../../../host/tests/common/mod.rs"]
 mod common;
 
 use std::path::PathBuf;

@@ -16,7 +16,7 @@ struct Answer {
 pub fn list(admin: &[String], token: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
     let mut rows: Vec<(String, ParkedGroup)> = Vec::new();
     for a in admin {
-        let answer: Answer = crate::status::get_json(a, "/v1/groups", token, "the groups", "its parked groups")?;
+        let answer: Answer = crate::cli::status::get_json(a, "/v1/groups", token, "the groups", "its parked groups")?;
         rows.extend(answer.parked.into_iter().map(|g| (answer.node.clone(), g)));
     }
     if json {

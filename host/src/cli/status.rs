@@ -12,13 +12,12 @@ use anyhow::{Context as _, bail};
 use weir::cluster::status::Status;
 use weir::cluster::{nats_kv, postgres};
 use weir::config::{self, ClusterMode};
-use weir::node;
 use weir::registry::canary;
 use weir::registry::kv::Buckets;
 use weir::registry::shared::Shared;
 use weir::registry::store::pg::Database;
 
-use crate::handlers;
+use crate::cli::handlers;
 
 /// What `weir status` was asked.
 pub struct Request {
@@ -236,7 +235,7 @@ fn read(req: &Request) -> anyhow::Result<View> {
         let versions = versions_from_admin(std::slice::from_ref(&admin), token.as_deref());
         return Ok((status, canaries, versions));
     }
-    crate::runtime()?.block_on(async {
+    crate::cli::runtime()?.block_on(async {
         let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
             let kv = nats_kv::NatsKv::open(
                 &cfg.transport.urls(),
@@ -262,7 +261,7 @@ fn read(req: &Request) -> anyhow::Result<View> {
         };
         let versions = shared_store(&cfg).await?;
         // Lag and consumers per slot from the broker; a broker that cannot answer leaves them unknown.
-        let transport = node::transport_for(&cfg)?;
+        let transport = weir::transport::connect::for_config(&cfg)?;
         for s in &mut status.slots {
             let (lag, consumers) = tokio::join!(
                 transport.backlog(&s.topology, s.slot),
