@@ -396,7 +396,9 @@ max_deliver = 1
     let (function, _) = lang.thrown_in;
     let said = format!("{} (at {}:{thrown_at} in {function}) [", lang.exception, lang.source);
     assert!(
-        error.strip_prefix("handler trapped: ").is_some_and(|e| e.starts_with(&said)),
+        error
+            .strip_prefix("handler trapped: ")
+            .is_some_and(|e| e.starts_with(&said)),
         "the fault text does not begin with {said:?}: {error}"
     );
     // Its second line: the frames that led there, the exported `handle` among them.

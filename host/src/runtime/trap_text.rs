@@ -376,7 +376,10 @@ mod tests {
         );
         // Without the stack, the message alone, as before.
         let (bare, _) = trap_text(cause, Some(&output[output.find("invalid").unwrap()..]), None, None, "");
-        assert!(bare.starts_with("TypeError: no greeting for Boom [JavaScript"), "{bare}");
+        assert!(
+            bare.starts_with("TypeError: no greeting for Boom [JavaScript"),
+            "{bare}"
+        );
     }
 
     #[test]
