@@ -33,6 +33,7 @@ pub mod batch;
 mod dedup_calls;
 pub mod job;
 pub mod lane;
+mod park;
 pub mod runner;
 pub mod supervisor;
 
