@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # devswap.sh DIR FILE FROM TO (the release binary, or $WEIR): weir dev in DIR; once it is up, replace FROM with TO in FILE and
-# time the save until "weir dev: swapped".
+# time the save until "weir dev: swapped" (or, with a Python project's live sources, until "saved; the
+# next message runs it": nothing is built or swapped).
 set -u
 weir=${WEIR:-$(cd "$(dirname "$0")/../.." && pwd)/target/release/weir}
 dir=$1; file=$2; from=$3; to=$4
@@ -15,9 +16,9 @@ until grep -q "publish  type a line" "$log"; do sleep 0.2; done
 sleep 1
 start=$(date +%s.%N)
 sed -i "s/$from/$to/" "$file"
-until grep -q "weir dev: swapped\|not swapped\|nothing to swap" "$log"; do sleep 0.05; done
+until grep -q "weir dev: swapped\|not swapped\|nothing to swap\|weir dev: saved;" "$log"; do sleep 0.05; done
 end=$(date +%s.%N)
-echo "save -> $(grep -o "weir dev: swapped\|not swapped.*\|nothing to swap" "$log" | head -1): $(echo "$end - $start" | bc) s"
+echo "save -> $(grep -o "weir dev: swapped\|not swapped.*\|nothing to swap\|weir dev: saved;" "$log" | head -1): $(echo "$end - $start" | bc) s"
 grep -o "compiled upload.*" "$log" | head -2
 kill -TERM $pid 2>/dev/null; kill $holder 2>/dev/null; wait $pid 2>/dev/null
 rm -f /tmp/devswap.in.$$ "$log"

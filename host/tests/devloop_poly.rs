@@ -408,6 +408,9 @@ max_deliver = 1
         "{error}"
     );
     node.shutdown().await.unwrap();
+    if lang.new == "python" {
+        live_sources_in_weir_dev(&project);
+    }
     eprintln!(
         "{}: from an empty folder to a running node in {:.1?}",
         lang.new,
@@ -423,4 +426,92 @@ async fn a_python_handler_from_an_empty_folder_to_a_running_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_javascript_handler_from_an_empty_folder_to_a_running_node() {
     from_an_empty_folder_to_a_running_node(&JS).await;
+}
+
+/// `weir dev` on a Python project (issue 36 item 3): a save that adds no import runs with the
+/// next message, with no build; a new import builds again, and the new version runs it.
+fn live_sources_in_weir_dev(project: &Path) {
+    use std::io::{BufRead as _, Write as _};
+    let port = free_port();
+    let mut dev = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["dev", "--admin", &format!("127.0.0.1:{port}")])
+        .current_dir(project)
+        .env("XDG_CACHE_HOME", common::devloop::cache_home())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stdin = dev.stdin.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = dev.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            eprintln!("weir dev | {line}");
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // The lines up to the first that contains `want`; none may contain `never`.
+    let until = |want: &str, never: &str| -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("weir dev never printed {want:?}; it printed:\n{}", seen.join("\n")));
+            assert!(
+                never.is_empty() || !line.contains(never),
+                "weir dev printed {never:?} before {want:?}:\n{}\n{line}",
+                seen.join("\n")
+            );
+            let done = line.contains(want);
+            seen.push(line);
+            if done {
+                return seen;
+            }
+        }
+    };
+    until("Ctrl-C stops", "");
+    writeln!(stdin, r#"greeting {{"name":"Ann"}}"#).unwrap();
+    until("greeting Ann (attempt 1)", "");
+
+    // A save: the next message runs it, and nothing is built.
+    let source = project.join("app.py");
+    edit(&source, ("greeting {name} (attempt", "hello {name} (attempt"));
+    until("saved; the next message runs it (live sources: no build)", "rebuilding");
+    writeln!(stdin, r#"greeting {{"name":"Bo"}}"#).unwrap();
+    until("hello Bo (attempt 1)", "rebuilding");
+
+    // A new import of a module the component does not hold: built again, then run.
+    edit(&source, ("import json\n", "import json\nimport decimal\n"));
+    edit(
+        &source,
+        (
+            "hello {name} (attempt",
+            "hello {name} {decimal.Decimal('1.5') * 2} (attempt",
+        ),
+    );
+    until("an import or a file other than Python changed; rebuilding", "saved;");
+    // Until the new component is swapped in, the previous sources serve: a message that runs
+    // meanwhile (componentize-py takes seconds) is not failed for the module the running
+    // component does not hold (without that, it is retried: `ModuleNotFoundError: decimal`).
+    writeln!(stdin, r#"greeting {{"name":"Di"}}"#).unwrap();
+    let meanwhile = until("weir dev: swapped; new messages run the new version", "retry:");
+    assert!(
+        meanwhile.iter().any(|l| l.contains("hello Di (attempt 1)")) || meanwhile.iter().all(|l| !l.contains("Di")),
+        "{}",
+        meanwhile.join("\n")
+    );
+    writeln!(stdin, r#"greeting {{"name":"Cy"}}"#).unwrap();
+    until("hello Cy 3.0 (attempt 1)", "");
+
+    // SAFETY: a signal to the child this test started.
+    unsafe {
+        libc::kill(i32::try_from(dev.id()).unwrap(), libc::SIGINT);
+    }
+    drop(stdin);
+    assert!(dev.wait().unwrap().success());
 }

@@ -257,6 +257,10 @@ pub enum Command {
         /// Build with crates already downloaded only (cargo --offline).
         #[arg(long)]
         offline: bool,
+        /// Python: build and deploy on every save, as `weir build` does, instead of live
+        /// sources (a save that adds no import runs at once, with no build).
+        #[arg(long)]
+        rebuild: bool,
     },
     /// Make a handler's previous version current again; while a canary runs,
     /// end the canary instead (exit codes as for `deploy`).

@@ -41,6 +41,8 @@ pub struct Options {
     pub types: Vec<String>,
     /// Build with crates already downloaded only.
     pub offline: bool,
+    /// Python: a build and a deploy on every save instead of live sources.
+    pub rebuild: bool,
 }
 
 /// The node config for the project: its `weir.toml` (the memory broker
@@ -118,17 +120,43 @@ fn project_handler<'a>(cfg: &'a Config, wasm: &Path) -> anyhow::Result<&'a confi
 
 /// Run the loop until Ctrl-C.
 pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
-    let wasm = scaffold::build(&opts.dir, opts.offline)
-        .with_context(|| format!("building {} before starting its node", opts.dir.display()))?;
-    let project = Project {
-        lang: scaffold::detect(&opts.dir)?.lang,
-        dir: opts.dir.canonicalize().unwrap_or_else(|_| opts.dir.clone()),
-        name: wasm
-            .file_stem()
-            .map_or_else(|| "handler".to_owned(), |s| s.to_string_lossy().into_owned()),
+    let detected = scaffold::detect(&opts.dir)?;
+    let live = if detected.lang == scaffold::Lang::Python && !opts.rebuild {
+        Some(
+            scaffold::live::build(&opts.dir, opts.offline)
+                .with_context(|| format!("building {} before starting its node", opts.dir.display()))?,
+        )
+    } else {
+        None
     };
-    let (cfg, token) = dev_config(&opts, &project.name, &wasm)?;
-    let handler = project_handler(&cfg, &wasm)?.clone();
+    // The component the project's config names: built here, unless the sources are live
+    // (then the config's entry is pointed at weir dev's own component below).
+    let wasm = match &live {
+        Some(_) => opts.dir.join(format!("{}.wasm", detected.name)),
+        None => scaffold::build(&opts.dir, opts.offline)
+            .with_context(|| format!("building {} before starting its node", opts.dir.display()))?,
+    };
+    let project = Project {
+        lang: detected.lang,
+        dir: opts.dir.canonicalize().unwrap_or_else(|_| opts.dir.clone()),
+        name: detected.name.clone(),
+    };
+    let (mut cfg, token) = dev_config(&opts, &project.name, &wasm)?;
+    let mut handler = project_handler(&cfg, &wasm)?.clone();
+    if let Some((component, _)) = &live {
+        let entry = cfg
+            .handler
+            .iter_mut()
+            .find(|h| h.name == handler.name)
+            .context("the project's handler is in the config")?;
+        entry.component = component.clone();
+        entry.wasi.preopens.push(config::Preopen {
+            host: project.dir.clone(),
+            guest: scaffold::live::GUEST_DIR.to_owned(),
+            read_only: true,
+        });
+        handler = entry.clone();
+    }
     let admin = cfg.node.admin.map(|a| format!("http://{a}")).unwrap_or_default();
     let printer = Arc::new(Printer::default());
     let broker = Arc::new(MemoryBroker::new());
@@ -165,18 +193,26 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
             "           or: curl -H 'Authorization: Bearer {token}' -d '{{\"type\":\"{example_type}\",\"payload\":{{}}}}' {admin}/v1/topologies/{topology}/messages"
         );
         println!(
-            "  watching {} for changes: each is rebuilt and deployed; Ctrl-C stops",
-            project.watched_label()
+            "  watching {} for changes: {}; Ctrl-C stops",
+            project.watched_label(),
+            if live.is_some() {
+                "a save runs at once (live sources); a new import, the WIT or pyproject.toml rebuilds"
+            } else {
+                "each is rebuilt and deployed"
+            }
         );
         let (changed_tx, changed_rx) = tokio::sync::mpsc::channel::<()>(1);
         let _watcher = watch(&project, changed_tx)?;
         let builder = tokio::spawn(rebuild_loop(
             changed_rx,
-            opts.dir.clone(),
-            opts.offline,
-            admin.clone(),
-            token.clone(),
-            handler.name.clone(),
+            Rebuild {
+                dir: opts.dir.clone(),
+                offline: opts.offline,
+                admin: admin.clone(),
+                token: token.clone(),
+                handler: handler.name.clone(),
+                live: live.map(|(_, signature)| signature),
+            },
         ));
         // Registered once, before the loop: a Ctrl-C while a line is being
         // published is kept for the next turn, not lost.
@@ -351,24 +387,46 @@ fn watch(project: &Project, changed: tokio::sync::mpsc::Sender<()>) -> anyhow::R
 /// editor's save is several events).
 const SETTLE: Duration = Duration::from_millis(300);
 
-/// Rebuild and deploy on each change, one at a time.
-async fn rebuild_loop(
-    mut changed: tokio::sync::mpsc::Receiver<()>,
+/// What the rebuild loop needs.
+struct Rebuild {
     dir: PathBuf,
     offline: bool,
     admin: String,
     token: String,
     handler: String,
-) {
+    /// Live sources: the signature of the sources the running component was built from.
+    live: Option<String>,
+}
+
+/// Rebuild and deploy on each change, one at a time; with live sources, only a change
+/// that a running component cannot load needs it.
+async fn rebuild_loop(mut changed: tokio::sync::mpsc::Receiver<()>, mut r: Rebuild) {
     while changed.recv().await.is_some() {
         // Let the burst end, then take what arrived meanwhile.
         tokio::time::sleep(SETTLE).await;
         while changed.try_recv().is_ok() {}
-        println!("weir dev: sources changed; rebuilding …");
-        let (dir, admin, token, handler) = (dir.clone(), admin.clone(), token.clone(), handler.clone());
-        let done = tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
-            let wasm = scaffold::build(&dir, offline)?;
-            deploy::deploy(
+        if let Some(built) = &r.live {
+            match scaffold::live::signature(&r.dir) {
+                Ok(now) if now == *built => {
+                    println!("weir dev: saved; the next message runs it (live sources: no build)");
+                    continue;
+                }
+                Ok(_) => println!("weir dev: an import or a file other than Python changed; rebuilding …"),
+                Err(e) => println!("weir dev: {e:#}; rebuilding …"),
+            }
+        } else {
+            println!("weir dev: sources changed; rebuilding …");
+        }
+        let (dir, offline, live) = (r.dir.clone(), r.offline, r.live.is_some());
+        let (admin, token, handler) = (r.admin.clone(), r.token.clone(), r.handler.clone());
+        let done = tokio::task::spawn_blocking(move || -> anyhow::Result<(bool, Option<String>)> {
+            let (wasm, signature) = if live {
+                let (wasm, signature) = scaffold::live::build(&dir, offline)?;
+                (wasm, Some(signature))
+            } else {
+                (scaffold::build(&dir, offline)?, None)
+            };
+            let swapped = deploy::deploy(
                 &deploy::Target {
                     admin: &admin,
                     token: &token,
@@ -378,12 +436,21 @@ async fn rebuild_loop(
                 &[],
                 &[],
                 &deploy::CanaryArgs::default(),
-            )
+            )?;
+            Ok((swapped, signature))
         })
         .await;
         match done {
-            Ok(Ok(true)) => println!("weir dev: swapped; new messages run the new version"),
-            Ok(Ok(false)) => println!("weir dev: the build is the version already running; nothing to swap"),
+            Ok(Ok((swapped, signature))) => {
+                if signature.is_some() {
+                    r.live = signature;
+                }
+                if swapped {
+                    println!("weir dev: swapped; new messages run the new version");
+                } else {
+                    println!("weir dev: the build is the version already running; nothing to swap");
+                }
+            }
             Ok(Err(e)) => println!("weir dev: not swapped, the previous version still runs: {e:#}"),
             Err(e) => println!("weir dev: the rebuild task failed: {e}"),
         }

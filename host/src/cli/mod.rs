@@ -159,11 +159,13 @@ pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode
             admin,
             types,
             offline,
+            rebuild,
         } => dev::run(dev::Options {
             dir,
             admin,
             types,
             offline,
+            rebuild,
         }),
         Command::DeadLetters { command } => dead_letters::run(command),
         Command::Groups { command } => match command {

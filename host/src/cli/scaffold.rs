@@ -13,6 +13,7 @@
 //! (JavaScript). `weir dev` finds the project and its sources through
 //! [`detect`].
 
+pub mod live;
 mod stamp;
 mod toolchain;
 

@@ -29,6 +29,11 @@ pub fn path(out: &Path) -> PathBuf {
 
 /// The hash of `dir`'s inputs and `settings` (toolchain version, entry, WIT, world).
 pub fn inputs(dir: &Path, settings: &[&str]) -> std::io::Result<String> {
+    hash(dir, settings, |_, bytes| bytes)
+}
+
+/// [`inputs`], with each file's contents seen through `view` (given its path relative to `dir`).
+pub fn hash(dir: &Path, settings: &[&str], view: impl Fn(&Path, Vec<u8>) -> Vec<u8>) -> std::io::Result<String> {
     let mut files = Vec::new();
     collect(dir, dir, &mut files)?;
     files.sort();
@@ -39,7 +44,7 @@ pub fn inputs(dir: &Path, settings: &[&str]) -> std::io::Result<String> {
         h.update(s.as_bytes());
     }
     for rel in files {
-        let bytes = std::fs::read(dir.join(&rel))?;
+        let bytes = view(&rel, std::fs::read(dir.join(&rel))?);
         let rel = rel.to_string_lossy();
         h.update((rel.len() as u64).to_le_bytes());
         h.update(rel.as_bytes());
