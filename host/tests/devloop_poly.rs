@@ -345,53 +345,23 @@ max_deliver = 1
 
     // The node runs the new version: its cascade (which nothing handles, so it
     // is dead-lettered with its payload) says Howdy.
-    let msg = envelope::new_message(
-        "dev-1".into(),
-        "greeting",
-        Some("g".into()),
-        None,
-        vec![],
-        br#"{"name":"Cy"}"#.to_vec(),
+    let greeted = publish_until_dead_letter(&node, &mem, "dev-1", r#"{"name":"Cy"}"#, |w| {
+        w.header(header::MESSAGE_TYPE) == Some("greeted")
+    })
+    .await;
+    assert_eq!(
+        String::from_utf8_lossy(&greeted.body),
+        r#"{"name":"Cy","text":"Howdy, Cy!"}"#
     );
-    node.publish("greeter", &msg).await.unwrap();
-    let start = Instant::now();
-    let greeted = loop {
-        let dead = mem.dead_letters("greeter");
-        if let Some(w) = dead.iter().find(|w| w.header(header::MESSAGE_TYPE) == Some("greeted")) {
-            break String::from_utf8_lossy(&w.body).into_owned();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no greeted cascade: {dead:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(greeted, r#"{"name":"Cy","text":"Howdy, Cy!"}"#);
 
     // An exception the handler did not expect: its fault text names it as its author
     // would, with the file and line it was thrown at (issue 36 item 2). What it says
     // without that work, the runtime's own words, is in `trap_text`'s unit tests.
-    let boom = envelope::new_message(
-        "dev-boom".into(),
-        "greeting",
-        Some("g".into()),
-        None,
-        vec![],
-        br#"{"name":"Boom"}"#.to_vec(),
-    );
-    node.publish("greeter", &boom).await.unwrap();
-    let start = Instant::now();
-    let error = loop {
-        let dead = mem.dead_letters("greeter");
-        if let Some(w) = dead.iter().find(|w| w.header(header::MESSAGE_ID) == Some("dev-boom")) {
-            break w.header(header::ERROR).unwrap_or_default().to_owned();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the fault was not dead-lettered: {dead:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let boomed = publish_until_dead_letter(&node, &mem, "dev-boom", r#"{"name":"Boom"}"#, |w| {
+        w.header(header::MESSAGE_ID) == Some("dev-boom")
+    })
+    .await;
+    let error = boomed.header(header::ERROR).unwrap_or_default().to_owned();
     eprintln!("{}: the fault text: {error}", lang.new);
     let (function, _) = lang.thrown_in;
     let said = format!("{} (at {}:{thrown_at} in {function}) [", lang.exception, lang.source);
@@ -426,6 +396,39 @@ async fn a_python_handler_from_an_empty_folder_to_a_running_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_javascript_handler_from_an_empty_folder_to_a_running_node() {
     from_an_empty_folder_to_a_running_node(&JS).await;
+}
+
+/// Publish a `greeting` with `payload` to the node, and wait for the first dead letter that
+/// `matches`.
+async fn publish_until_dead_letter(
+    node: &Node,
+    mem: &MemoryBroker,
+    id: &str,
+    payload: &str,
+    matches: impl Fn(&weir::envelope::Wire) -> bool,
+) -> weir::envelope::Wire {
+    let msg = envelope::new_message(
+        id.into(),
+        "greeting",
+        Some("g".into()),
+        None,
+        vec![],
+        payload.as_bytes().to_vec(),
+    );
+    node.publish("greeter", &msg).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let dead = mem.dead_letters("greeter");
+        if let Some(w) = dead.into_iter().find(|w| matches(w)) {
+            return w;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no dead letter after {id}: {:?}",
+            mem.dead_letters("greeter")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// `weir dev` on a Python project (issue 36 item 3): a save that adds no import runs with the
