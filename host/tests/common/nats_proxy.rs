@@ -135,10 +135,7 @@ async fn filter_down(
     let mut chunk = vec![0u8; 16 * 1024];
     loop {
         // Forward every complete frame in the buffer.
-        loop {
-            let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
-                break;
-            };
+        while let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") {
             let line = &buf[..eol];
             let is_msg = line.starts_with(b"MSG ") || line.starts_with(b"HMSG ");
             let frame_end = if is_msg {

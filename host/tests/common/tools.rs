@@ -49,10 +49,12 @@ pub fn ensure(command: &str, package: &str) -> PathBuf {
         .arg("-u")
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-    if is_root && Path::new("/usr/bin/apt-get").exists() && apt_install(package) {
-        if let Some(p) = which(command) {
-            return p;
-        }
+    if is_root
+        && Path::new("/usr/bin/apt-get").exists()
+        && apt_install(package)
+        && let Some(p) = which(command)
+    {
+        return p;
     }
     panic!(
         "`{command}` is needed by this test and could not be installed: install it with \
