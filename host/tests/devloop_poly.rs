@@ -458,7 +458,9 @@ fn live_sources_in_weir_dev(project: &Path) {
     });
     // The lines up to the first that contains `want`; none may contain `never`.
     let until = |want: &str, never: &str| -> Vec<String> {
-        let deadline = Instant::now() + Duration::from_secs(240);
+        // Generous: the first line waits for a cold compile of a 17 MiB component (28 s on an
+        // idle machine of this kind), with the JavaScript test running beside it.
+        let deadline = Instant::now() + Duration::from_secs(600);
         let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
