@@ -436,6 +436,32 @@ fn report(out: &Path, bytes: &[u8], started: Instant, note: &str) {
     );
 }
 
+/// Run componentize-py on `project` in `dir`: `module` (defining `WitWorld`) found on
+/// `python_path` (the first is mounted at `/0`), the component written to `out`. Every path
+/// is given as it is (no current_dir): `dir` may be relative.
+fn componentize_py(
+    componentize: &Path,
+    project: &Project,
+    dir: &Path,
+    python_path: &[&Path],
+    module: &str,
+    out: &Path,
+) -> anyhow::Result<()> {
+    let mut cmd = Command::new(componentize);
+    cmd.arg("--wit-path")
+        .arg(dir.join(&project.wit))
+        .args(["--world", &project.world, "--quiet", "componentize"]);
+    for p in python_path {
+        cmd.arg("--python-path").arg(p);
+    }
+    cmd.arg(module).arg("--output").arg(out);
+    toolchain::run(
+        &mut cmd,
+        "componentize-py",
+        "its message above says why (a Python error in the handler, or a WIT that does not match it)",
+    )
+}
+
 /// Build `project` into `part` with its language's toolchain.
 fn build_into(project: &Project, dir: &Path, part: &Path, offline: bool) -> anyhow::Result<()> {
     let name = &project.name;
@@ -483,20 +509,7 @@ fn build_into(project: &Project, dir: &Path, part: &Path, offline: bool) -> anyh
                 project.wit,
                 project.world
             );
-            // Every path is given as it is (no current_dir): `dir` may be relative.
-            let mut cmd = Command::new(&componentize);
-            cmd.arg("--wit-path")
-                .arg(dir.join(&project.wit))
-                .args(["--world", &project.world, "--quiet", "componentize", "--python-path"])
-                .arg(dir)
-                .arg(&project.entry)
-                .arg("--output")
-                .arg(part);
-            toolchain::run(
-                &mut cmd,
-                "componentize-py",
-                "its message above says why (a Python error in the handler, or a WIT that does not match it)",
-            )?;
+            componentize_py(&componentize, project, dir, &[dir], &project.entry, part)?;
         }
         Lang::Js => {
             let cli = toolchain::componentize_js(offline)?;

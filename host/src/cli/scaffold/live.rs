@@ -144,21 +144,7 @@ pub fn build(dir: &Path, offline: bool) -> anyhow::Result<(PathBuf, String)> {
         project.name
     );
     let componentize = toolchain::componentize_py(offline)?;
-    let mut cmd = std::process::Command::new(&componentize);
-    cmd.arg("--wit-path")
-        .arg(dir.join(&project.wit))
-        .args(["--world", &project.world, "--quiet", "componentize", "--python-path"])
-        .arg(&root)
-        .arg("--python-path")
-        .arg(&place)
-        .arg(MODULE)
-        .arg("--output")
-        .arg(&out);
-    toolchain::run(
-        &mut cmd,
-        "componentize-py",
-        "its message above says why (a Python error in the handler, or a WIT that does not match it)",
-    )?;
+    super::componentize_py(&componentize, &project, dir, &[&root, &place], MODULE, &out)?;
     let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
     super::report(&out, &bytes, started, " (weir dev's own, with live sources)");
     Ok((out, signature))
