@@ -54,6 +54,11 @@ struct Lang {
     /// Where it is thrown, as the fault text names it: the function, and the text of
     /// the line (whose number is looked up in the edited source).
     thrown_in: (&'static str, &'static str),
+    /// `weir dev`: (from, to) in the source, a save that live sources run at once.
+    live_save: (&'static str, &'static str),
+    /// `weir dev`: a save that imports what the running component cannot load, and what the
+    /// handler then logs for the name "Cy".
+    live_import: (fn(&Path), &'static str),
 }
 
 const PYTHON: Lang = Lang {
@@ -79,6 +84,21 @@ const PYTHON: Lang = Lang {
     ),
     exception: "ValueError: no greeting for Boom",
     thrown_in: ("greet", "raise ValueError("),
+    live_save: ("greeting {name} (attempt", "hello {name} (attempt"),
+    live_import: (
+        |project| {
+            let source = project.join("app.py");
+            edit(&source, ("import json\n", "import json\nimport decimal\n"));
+            edit(
+                &source,
+                (
+                    "hello {name} (attempt",
+                    "hello {name} {decimal.Decimal('1.5') * 2} (attempt",
+                ),
+            );
+        },
+        "hello Cy 3.0 (attempt 1)",
+    ),
 };
 
 const JS: Lang = Lang {
@@ -109,6 +129,26 @@ const JS: Lang = Lang {
     ),
     exception: "TypeError: no greeting for Boom",
     thrown_in: ("greet", "throw new TypeError("),
+    live_save: ("`greeting ${name} (attempt", "`hello ${name} (attempt"),
+    // Another file: live sources run one, so from here each save is built.
+    live_import: (
+        |project| {
+            std::fs::write(project.join("twice.js"), "export const twice = (x) => x * 2;\n").unwrap();
+            let source = project.join("handler.js");
+            edit(
+                &source,
+                (
+                    "from 'weir:handler/host@0.2.0';\n",
+                    "from 'weir:handler/host@0.2.0';\nimport { twice } from './twice.js';\n",
+                ),
+            );
+            edit(
+                &source,
+                ("`hello ${name} (attempt", "`hello ${name} ${twice(1.5)} (attempt"),
+            );
+        },
+        "hello Cy 3 (attempt 1)",
+    ),
 };
 
 /// Replace `from` by `to` in `file`, which must contain it.
@@ -378,9 +418,7 @@ max_deliver = 1
         "{error}"
     );
     node.shutdown().await.unwrap();
-    if lang.new == "python" {
-        live_sources_in_weir_dev(&project);
-    }
+    live_sources_in_weir_dev(lang, &project);
     eprintln!(
         "{}: from an empty folder to a running node in {:.1?}",
         lang.new,
@@ -431,9 +469,10 @@ async fn publish_until_dead_letter(
     }
 }
 
-/// `weir dev` on a Python project (issue 36 item 3): a save that adds no import runs with the
-/// next message, with no build; a new import builds again, and the new version runs it.
-fn live_sources_in_weir_dev(project: &Path) {
+/// `weir dev` on a Python or JavaScript project (issue 36 item 3): a save that adds no import
+/// runs with the next message, with no build; a new import builds again, and the new version
+/// runs it.
+fn live_sources_in_weir_dev(lang: &Lang, project: &Path) {
     use std::io::{BufRead as _, Write as _};
     let port = free_port();
     let mut dev = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
@@ -484,25 +523,21 @@ fn live_sources_in_weir_dev(project: &Path) {
     until("greeting Ann (attempt 1)", "");
 
     // A save: the next message runs it, and nothing is built.
-    let source = project.join("app.py");
-    edit(&source, ("greeting {name} (attempt", "hello {name} (attempt"));
+    edit(&project.join(lang.source), lang.live_save);
     until("saved; the next message runs it (live sources: no build)", "rebuilding");
     writeln!(stdin, r#"greeting {{"name":"Bo"}}"#).unwrap();
     until("hello Bo (attempt 1)", "rebuilding");
 
     // A new import of a module the component does not hold: built again, then run.
-    edit(&source, ("import json\n", "import json\nimport decimal\n"));
-    edit(
-        &source,
-        (
-            "hello {name} (attempt",
-            "hello {name} {decimal.Decimal('1.5') * 2} (attempt",
-        ),
+    (lang.live_import.0)(project);
+    until(
+        "an import or a file other than the sources changed; rebuilding",
+        "saved;",
     );
-    until("an import or a file other than Python changed; rebuilding", "saved;");
     // Until the new component is swapped in, the previous sources serve: a message that runs
-    // meanwhile (componentize-py takes seconds) is not failed for the module the running
-    // component does not hold (without that, it is retried: `ModuleNotFoundError: decimal`).
+    // meanwhile (the toolchain takes seconds) is not failed for the module the running
+    // component does not hold (without that, it is retried: `ModuleNotFoundError: decimal`,
+    // or JavaScript's SyntaxError for an import in evaluated code).
     writeln!(stdin, r#"greeting {{"name":"Di"}}"#).unwrap();
     let meanwhile = until("weir dev: swapped; new messages run the new version", "retry:");
     assert!(
@@ -511,7 +546,7 @@ fn live_sources_in_weir_dev(project: &Path) {
         meanwhile.join("\n")
     );
     writeln!(stdin, r#"greeting {{"name":"Cy"}}"#).unwrap();
-    until("hello Cy 3.0 (attempt 1)", "");
+    until(lang.live_import.1, "");
 
     // SAFETY: a signal to the child this test started.
     unsafe {

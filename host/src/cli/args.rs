@@ -243,7 +243,8 @@ pub enum Command {
     /// The inner loop of a handler project: build it, run it on a node of its
     /// own (memory broker, admin listener), publish what is typed here or
     /// posted to `POST /v1/topologies/{T}/messages`, print what each message
-    /// did, and rebuild and deploy on every change of the sources.
+    /// did. A save of a Python or JavaScript handler runs with the next message
+    /// (live sources); a new import, or a Rust handler's save, is built and deployed.
     Dev {
         /// The project directory.
         #[arg(long, default_value = ".")]
@@ -257,8 +258,8 @@ pub enum Command {
         /// Build with crates already downloaded only (cargo --offline).
         #[arg(long)]
         offline: bool,
-        /// Python: build and deploy on every save, as `weir build` does, instead of live
-        /// sources (a save that adds no import runs at once, with no build).
+        /// Python and JavaScript: build and deploy on every save, as `weir build` does,
+        /// instead of live sources (a save that adds no import runs at once, with no build).
         #[arg(long)]
         rebuild: bool,
     },

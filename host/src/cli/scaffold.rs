@@ -331,17 +331,6 @@ pub fn detect(dir: &Path) -> anyhow::Result<Project> {
     )
 }
 
-/// Run `cmd`, its output passed through; an error that says what to do when it fails.
-fn run(cmd: &mut Command, what: &str, fix: &str) -> anyhow::Result<()> {
-    let status = cmd
-        .status()
-        .with_context(|| format!("{what}: cannot start {:?}; {fix}", cmd.get_program()))?;
-    if !status.success() {
-        bail!("{what} failed ({status}); {fix}");
-    }
-    Ok(())
-}
-
 /// `rustup target add wasm32-wasip2` when the target is missing.
 fn ensure_wasm_target() -> anyhow::Result<()> {
     let installed = Command::new("rustup")
@@ -358,7 +347,7 @@ fn ensure_wasm_target() -> anyhow::Result<()> {
         Some(true) => Ok(()),
         Some(false) => {
             eprintln!("weir build: adding the wasm32-wasip2 target (rustup target add wasm32-wasip2) …");
-            run(
+            toolchain::run(
                 Command::new("rustup").args(["target", "add", "wasm32-wasip2"]),
                 "rustup target add wasm32-wasip2",
                 "check the network, or install the target by hand",
@@ -462,6 +451,23 @@ fn componentize_py(
     )
 }
 
+/// Run ComponentizeJS (`cli`, with `node`): `source` against `world` in `wit`, the component
+/// written to `out`.
+fn componentize_js(cli: &Path, source: &Path, wit: &Path, world: &str, out: &Path) -> anyhow::Result<()> {
+    let mut node = Command::new("node");
+    node.arg(cli)
+        .arg(source)
+        .arg("--wit")
+        .arg(wit)
+        .args(["--world-name", world, "--disable", "http", "fetch-event", "--out"])
+        .arg(out);
+    toolchain::run(
+        &mut node,
+        "ComponentizeJS",
+        "its message above says why (a JavaScript error in the handler, or exports that do not match the WIT)",
+    )
+}
+
 /// Build `project` into `part` with its language's toolchain.
 fn build_into(project: &Project, dir: &Path, part: &Path, offline: bool) -> anyhow::Result<()> {
     let name = &project.name;
@@ -479,7 +485,7 @@ fn build_into(project: &Project, dir: &Path, part: &Path, offline: bool) -> anyh
             if offline {
                 cargo.arg("--offline");
             }
-            run(
+            toolchain::run(
                 &mut cargo,
                 "cargo build",
                 "the compiler's messages above say why (install Rust from https://rustup.rs if cargo is missing)",
@@ -529,25 +535,7 @@ fn build_into(project: &Project, dir: &Path, part: &Path, offline: bool) -> anyh
                 project.wit,
                 project.world
             );
-            let mut cmd = Command::new("node");
-            cmd.arg(&cli)
-                .arg(&source)
-                .arg("--wit")
-                .arg(dir.join(&project.wit))
-                .args([
-                    "--world-name",
-                    &project.world,
-                    "--disable",
-                    "http",
-                    "fetch-event",
-                    "--out",
-                ])
-                .arg(part);
-            toolchain::run(
-                &mut cmd,
-                "ComponentizeJS",
-                "its message above says why (a JavaScript error in the handler, or exports that do not match the WIT)",
-            )?;
+            componentize_js(&cli, &source, &dir.join(&project.wit), &project.world, part)?;
         }
     }
     if !part.is_file() {

@@ -152,7 +152,8 @@ pub fn js_exception(output: &str) -> Option<(String, Vec<String>)> {
 
 /// `greet@/tmp/…/sources/handler.js:52:11` as `handler.js:52 in greet`
 /// (ComponentizeJS copies the sources to a temporary `sources/` folder); the
-/// bindings' `initializer.js` is not the guest's code.
+/// bindings' `initializer.js` is not the guest's code, nor is `weir dev`'s module of
+/// live sources, `weir_dev_live.js`.
 fn js_frame(line: &str) -> Option<String> {
     let (function, place) = line.trim().split_once('@')?;
     let (place, _column) = place.rsplit_once(':')?;
@@ -162,7 +163,7 @@ fn js_frame(line: &str) -> Option<String> {
     }
     let path = path.strip_prefix("file://").unwrap_or(path);
     let path = path.rsplit_once("/sources/").map_or(path, |(_, inner)| inner);
-    if path == "initializer.js" {
+    if path == "initializer.js" || path == "weir_dev_live.js" {
         return None;
     }
     let function = if function.is_empty() { "?" } else { function };
@@ -363,6 +364,7 @@ mod tests {
         let output = "greeting Ada (attempt 1)\nnot@a frame\n\
                       greet@/tmp/1c2d/sources/handler.js:52:11\n\
                       handle@/tmp/1c2d/sources/handler.js:37:5\n\
+                      handle@/tmp/1c2d/sources/weir_dev_live.js:85:10\n\
                       export_handle@/tmp/1c2d/sources/initializer.js:445:17\n\
                       invalid variant tag value `undefined` (received `TypeError: no greeting for Boom`) \
                       specified for `Failure`\nStack:\n  export_handle@/tmp/1c2d/sources/initializer.js:445:17\n";

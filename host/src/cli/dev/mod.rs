@@ -43,7 +43,7 @@ pub struct Options {
     pub types: Vec<String>,
     /// Build with crates already downloaded only.
     pub offline: bool,
-    /// Python: a build and a deploy on every save instead of live sources.
+    /// Python and JavaScript: a build and a deploy on every save instead of live sources.
     pub rebuild: bool,
 }
 
@@ -123,7 +123,17 @@ fn project_handler<'a>(cfg: &'a Config, wasm: &Path) -> anyhow::Result<&'a confi
 /// Run the loop until Ctrl-C.
 pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
     let detected = scaffold::detect(&opts.dir)?;
-    let live = if detected.lang == scaffold::Lang::Python && !opts.rebuild {
+    let live_blocked = if opts.rebuild {
+        Some("--rebuild".to_owned())
+    } else {
+        scaffold::live::unsupported(&opts.dir)?
+    };
+    if let (scaffold::Lang::Js, Some(why)) = (detected.lang, &live_blocked)
+        && !opts.rebuild
+    {
+        println!("weir dev: each save is built: {why}");
+    }
+    let live = if live_blocked.is_none() {
         Some(
             scaffold::live::build(&opts.dir, opts.offline)
                 .with_context(|| format!("building {} before starting its node", opts.dir.display()))?,
@@ -153,7 +163,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
             .context("the project's handler is in the config")?;
         entry.component = component.clone();
         entry.wasi.preopens.push(config::Preopen {
-            host: project.dir.clone(),
+            host: scaffold::live::mount(&opts.dir)?,
             guest: scaffold::live::GUEST_DIR.to_owned(),
             read_only: true,
         });
@@ -198,7 +208,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
             "  watching {} for changes: {}; Ctrl-C stops",
             project.watched_label(),
             if live.is_some() {
-                "a save runs at once (live sources); a new import, the WIT or pyproject.toml rebuilds"
+                "a save runs at once (live sources); a new import, the WIT or the project file rebuilds"
             } else {
                 "each is rebuilt and deployed"
             }
@@ -228,7 +238,13 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
         std::thread::spawn(move || {
             use std::io::BufRead as _;
             for line in std::io::stdin().lock().lines() {
-                let Ok(line) = line else { break };
+                let line = match line {
+                    Ok(line) => line,
+                    Err(e) => {
+                        println!("weir dev: the terminal cannot be read ({e}); publish through the admin listener");
+                        break;
+                    }
+                };
                 if line_tx.blocking_send(line).is_err() {
                     break;
                 }

@@ -105,10 +105,13 @@ pub(super) async fn rebuild_loop(mut changed: tokio::sync::mpsc::Receiver<()>, m
         if let Some(built) = &r.live {
             match scaffold::live::signature(&r.dir) {
                 Ok(now) if now == *built => {
-                    println!("weir dev: saved; the next message runs it (live sources: no build)");
+                    match scaffold::live::serve(&r.dir) {
+                        Ok(()) => println!("weir dev: saved; the next message runs it (live sources: no build)"),
+                        Err(e) => println!("weir dev: saved, but not served, the previous sources still run: {e:#}"),
+                    }
                     continue;
                 }
-                Ok(_) => println!("weir dev: an import or a file other than Python changed; rebuilding …"),
+                Ok(_) => println!("weir dev: an import or a file other than the sources changed; rebuilding …"),
                 Err(e) => println!("weir dev: {e:#}; rebuilding …"),
             }
         } else {
@@ -117,6 +120,13 @@ pub(super) async fn rebuild_loop(mut changed: tokio::sync::mpsc::Receiver<()>, m
         let (dir, offline, live) = (r.dir.clone(), r.offline, r.live.is_some());
         let (admin, token, handler) = (r.admin.clone(), r.token.clone(), r.handler.clone());
         let done = tokio::task::spawn_blocking(move || -> anyhow::Result<(bool, Option<String>)> {
+            let live = live && {
+                let why = scaffold::live::unsupported(&dir)?;
+                if let Some(why) = &why {
+                    println!("weir dev: from now on each save is built: {why}");
+                }
+                why.is_none()
+            };
             let (wasm, signature) = if live {
                 let (wasm, signature) = scaffold::live::build(&dir, offline)?;
                 (wasm, Some(signature))
@@ -139,9 +149,8 @@ pub(super) async fn rebuild_loop(mut changed: tokio::sync::mpsc::Receiver<()>, m
         .await;
         match done {
             Ok(Ok((swapped, signature))) => {
-                if signature.is_some() {
-                    r.live = signature;
-                }
+                // Live sources, rebuilt for their new imports; or no longer (`unsupported`).
+                r.live = signature;
                 if swapped {
                     println!("weir dev: swapped; new messages run the new version");
                 } else {

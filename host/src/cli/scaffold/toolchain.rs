@@ -38,9 +38,13 @@ fn step(text: &str) {
 }
 
 /// Run `cmd`, its output passed through to stderr (stdout is for the
-/// build's result); on failure say what to do.
+/// build's result); on failure say what to do. It reads no input: `weir dev`
+/// reads its terminal while it builds, and a child sharing that input could
+/// take its lines, or (node does) set it non-blocking, which ends weir dev's
+/// reading of it.
 pub fn run(cmd: &mut Command, what: &str, fix: &str) -> anyhow::Result<()> {
     let status = cmd
+        .stdin(std::process::Stdio::null())
         .stdout(std::io::stderr())
         .status()
         .with_context(|| format!("{what}: cannot start {:?}; {fix}", cmd.get_program()))?;
