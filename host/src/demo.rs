@@ -15,6 +15,7 @@ use crate::config::{self, Config, RetrySection};
 use crate::envelope::{self, header};
 use crate::node::{Node, NodeOptions};
 use crate::observe::ledger::{Ledger, SEQ_HEADER};
+use crate::observe::stats::Stats;
 use crate::outcome::{Outcome, Reason};
 use crate::transport::Transport;
 use crate::transport::memory::MemoryBroker;
@@ -233,6 +234,41 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<DemoSummary> {
     let stats = node.stats();
 
     let total = u64::from(o.groups) * u64::from(o.per_group);
+    let bar = progress_bar(&o, total);
+
+    let started = Instant::now();
+    let (ids, expected_dead) = publish_all(&o, &node, &bar).await?;
+    bar.set_position(0);
+    bar.set_prefix("handling");
+
+    wait_until_final(&o, &stats, &broker, &bar, started, total).await;
+    let elapsed = started.elapsed();
+    bar.finish_and_clear();
+    node.shutdown().await?;
+
+    let s = stats.snapshot();
+    let lost = lost(&ids, &ledger, &broker);
+    Ok(DemoSummary {
+        published: total,
+        cascaded: s.cascaded,
+        handled: s.handled,
+        retried: s.retry_scheduled,
+        dead_lettered: s.dead_lettered.iter().copied().filter(|(_, n)| *n > 0).collect(),
+        expected_dead_letters: expected_dead,
+        groups: ledger.groups(),
+        overlaps: ledger.overlaps(),
+        out_of_order: ledger.out_of_order(),
+        peak_parallel_groups: ledger.peak_groups(),
+        lost,
+        left_on_broker: broker.total_depth("orders"),
+        stranded: s.stranded,
+        uncertain: s.uncertain,
+        elapsed,
+    })
+}
+
+/// The demo's progress bar (hidden unless `o.progress`), publishing first.
+fn progress_bar(o: &DemoOptions, total: u64) -> ProgressBar {
     let bar = if o.progress {
         ProgressBar::new(total)
     } else {
@@ -244,14 +280,19 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<DemoSummary> {
             .progress_chars("=> "),
     );
     bar.set_prefix("publishing");
+    bar
+}
 
-    let started = Instant::now();
+/// Publish `o.per_group` messages to each of `o.groups` groups, round
+/// after round; their ids, and how many of them should be dead-lettered.
+async fn publish_all(o: &DemoOptions, node: &Node, bar: &ProgressBar) -> anyhow::Result<(Vec<String>, u64)> {
+    let total = u64::from(o.groups) * u64::from(o.per_group);
     let mut ids = Vec::with_capacity(total as usize);
     let mut expected_dead = 0u64;
     let mut n = 0u64;
     for seq in 0..o.per_group {
         for g in 0..o.groups {
-            let (kind, payload, dead) = generate(&o, g, seq, n);
+            let (kind, payload, dead) = generate(o, g, seq, n);
             expected_dead += u64::from(dead);
             let env = envelope::new_message(
                 envelope::fresh_id(),
@@ -271,10 +312,20 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<DemoSummary> {
             }
         }
     }
-    bar.set_position(0);
-    bar.set_prefix("handling");
+    Ok((ids, expected_dead))
+}
 
-    // Wait until every published message (and every cascade) is final.
+/// Wait until every published message (and every cascade) is final, or
+/// the demo's deadline passed. `started`: when publishing began; `total`:
+/// how many messages it published.
+async fn wait_until_final(
+    o: &DemoOptions,
+    stats: &Stats,
+    broker: &MemoryBroker,
+    bar: &ProgressBar,
+    started: Instant,
+    total: u64,
+) {
     loop {
         let s = stats.snapshot();
         let finished = s.handled + s.dead_lettered_total() + s.uncertain;
@@ -295,40 +346,21 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<DemoSummary> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let elapsed = started.elapsed();
-    bar.finish_and_clear();
-    node.shutdown().await?;
+}
 
-    let s = stats.snapshot();
+/// Published messages neither handled nor on the dead-letter list.
+fn lost(ids: &[String], ledger: &Ledger, broker: &MemoryBroker) -> u64 {
     let outcomes = ledger.outcomes();
     let dead_ids: HashSet<String> = broker
         .dead_letters("orders")
         .iter()
         .filter_map(|w| w.header(header::MESSAGE_ID).map(str::to_owned))
         .collect();
-    let lost = ids
-        .iter()
+    ids.iter()
         .filter(|id| match outcomes.get(*id) {
             Some(Outcome::Handled) => false,
             Some(Outcome::DeadLettered(_)) | Some(Outcome::Uncertain) => !dead_ids.contains(*id),
             _ => true,
         })
-        .count() as u64;
-    Ok(DemoSummary {
-        published: total,
-        cascaded: s.cascaded,
-        handled: s.handled,
-        retried: s.retry_scheduled,
-        dead_lettered: s.dead_lettered.iter().copied().filter(|(_, n)| *n > 0).collect(),
-        expected_dead_letters: expected_dead,
-        groups: ledger.groups(),
-        overlaps: ledger.overlaps(),
-        out_of_order: ledger.out_of_order(),
-        peak_parallel_groups: ledger.peak_groups(),
-        lost,
-        left_on_broker: broker.total_depth("orders"),
-        stranded: s.stranded,
-        uncertain: s.uncertain,
-        elapsed,
-    })
+        .count() as u64
 }

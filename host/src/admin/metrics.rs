@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry as Metrics;
 
 use super::state::AdminState;
 use crate::cluster::slots::SlotSet;
-use crate::observe::stats::Stats;
+use crate::observe::stats::{Snapshot, Stats};
 use crate::outcome::Reason;
 use crate::registry::Caller;
 use crate::transport::Transport;
@@ -175,197 +175,263 @@ fn counter(
 impl Collector for Scrape {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
         let s = self.stats.snapshot();
-        counter(
-            &mut encoder,
-            "messages",
-            "Settled deliveries by outcome.",
-            &[
-                ("outcome", "handled", s.handled),
-                ("outcome", "retry-scheduled", s.retry_scheduled),
-                ("outcome", "dead-lettered", s.dead_lettered.iter().map(|(_, n)| n).sum()),
-                ("outcome", "stranded", s.stranded),
-                ("outcome", "uncertain", s.uncertain),
-                ("outcome", "requeued", s.requeued),
-                ("outcome", "released", s.released),
-                ("outcome", "deduplicated", s.deduplicated),
-            ],
-        )?;
-        counter(
-            &mut encoder,
-            "dedup_failures",
-            "handler.dedup store operations that failed, by operation.",
-            &[
-                ("op", "lookup", s.dedup_lookup_failures),
-                ("op", "record", s.dedup_record_failures),
-            ],
-        )?;
-        let reasons: Vec<(Reason, u64)> = s.dead_lettered.to_vec();
-        let by_reason: Vec<(&str, &str, u64)> = reasons.iter().map(|(r, n)| ("reason", r.as_str(), *n)).collect();
-        counter(
-            &mut encoder,
-            "dead_letters",
-            "Dead-letter captures by reason.",
-            &by_reason,
-        )?;
-        let flushes: Vec<(&str, &str, u64)> = s
-            .batch_flushes
-            .iter()
-            .map(|(r, n)| ("reason", r.as_str(), *n))
-            .collect();
-        counter(
-            &mut encoder,
-            "batches",
-            "Batches handed to handle-batch, by why they ran.",
-            &flushes,
-        )?;
-        let bounds: Vec<String> = s
-            .batch_sizes
-            .iter()
-            .map(|(b, _)| {
-                if *b == u64::MAX {
-                    "+Inf".to_owned()
-                } else {
-                    b.to_string()
-                }
-            })
-            .collect();
-        let sizes: Vec<(&str, &str, u64)> = s
-            .batch_sizes
-            .iter()
-            .zip(&bounds)
-            .map(|((_, n), b)| ("size_at_most", b.as_str(), *n))
-            .collect();
-        counter(
-            &mut encoder,
-            "batches_by_size",
-            "Batches by size bucket (members, inclusive upper bound; not cumulative).",
-            &sizes,
-        )?;
-        for (name, help, n) in [
-            (
-                "batch_members",
-                "Members of every batch handed to handle-batch.",
-                s.batch_members,
-            ),
-            (
-                "batch_replays",
-                "Batches whose call trapped or timed out, replayed member by member.",
-                s.batch_replays,
-            ),
-            (
-                "batch_released",
-                "Members of unstarted batches returned to the broker by a drain.",
-                s.batch_released,
-            ),
-            (
-                "ack_failures",
-                "Acks whose confirmation failed (the message may come again).",
-                s.ack_failures,
-            ),
-            ("cascaded", "Messages published by handlers, confirmed.", s.cascaded),
-            (
-                "cascades_uncertain",
-                "Cascade publishes whose confirm did not come in time (they may have landed; the cause is retried).",
-                s.cascades_uncertain,
-            ),
-            (
-                "cascades_duplicate",
-                "Cascades the broker dropped as copies of ones it already held (a rerun after a lost confirm).",
-                s.cascades_duplicate,
-            ),
-            (
-                "trace_spans_dropped",
-                "Spans dropped because the export queue toward the trace collector was full (the collector slow or unreachable).",
-                crate::telemetry::queue::spans_dropped(),
-            ),
-            (
-                "guest_faults",
-                "Guest calls that trapped, timed out or were interrupted.",
-                s.faults,
-            ),
-            (
-                "untrusted_headers",
-                "Deliveries whose weir-* headers carried no valid seal (from a publisher or a guest): moved under untrusted- names.",
-                s.untrusted_headers,
-            ),
-            (
-                "runner_panics",
-                "Slot runner jobs that panicked (caught; the runner restarted).",
-                s.runner_panics,
-            ),
-        ] {
-            let c = ConstCounter::new(n);
-            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
-        }
-        {
-            let probe = ConstGauge::new(1i64);
-            let mut m = encoder.encode_descriptor(
-                "handler_version_info",
-                "The version each handler runs now (sha256 of the component).",
-                None,
-                probe.metric_type(),
-            )?;
-            let handlers = self.handlers.list(&Caller::Operator);
-            for h in &handlers {
-                let tenant = h.tenant.clone().unwrap_or_default();
-                let labels = [
-                    ("handler", h.name.as_str()),
-                    ("tenant", tenant.as_str()),
-                    ("digest", h.current.digest.as_str()),
-                    ("source", h.current.source.as_str()),
-                ];
-                ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
-            }
-            // A running canary against the stable version, since it began
-            // (a gauge: each canary counts from zero).
-            let mut family = encoder.encode_descriptor(
-                "canary_messages",
-                "Settled messages of a running canary and of the stable version since the canary began, by side and outcome.",
-                None,
-                probe.metric_type(),
-            )?;
-            for h in &handlers {
-                let Some(c) = &h.canary else { continue };
-                let tenant = h.tenant.clone().unwrap_or_default();
-                for (side, x) in [("canary", &c.compare.canary), ("stable", &c.compare.stable)] {
-                    let t = &x.tally;
-                    for (outcome, n) in [
-                        ("handled", t.handled),
-                        ("retry-scheduled", t.retried),
-                        ("dead-lettered", t.dead_lettered),
-                    ] {
-                        let labels = [
-                            ("handler", h.name.as_str()),
-                            ("tenant", tenant.as_str()),
-                            ("side", side),
-                            ("digest", x.digest.as_str()),
-                            ("outcome", outcome),
-                        ];
-                        ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
-                    }
-                }
-            }
-        }
+        outcome_families(&mut encoder, &s)?;
+        batch_families(&mut encoder, &s)?;
+        total_families(&mut encoder, &s)?;
+        self.version_families(&mut encoder)?;
         let handler_metrics = self.handlers.metrics();
-        {
-            let probe = ConstCounter::new(0u64);
-            let mut m = encoder.encode_descriptor(
-                "handler_messages",
-                "Settled deliveries by handler, tenant and outcome.",
-                None,
-                probe.metric_type(),
-            )?;
-            for (name, tenant, hm) in &handler_metrics {
-                for (outcome, n) in hm.outcomes.snapshot() {
+        handler_message_family(&mut encoder, &handler_metrics)?;
+        self.slot_families(&mut encoder)?;
+        handler_call_families(&mut encoder, &handler_metrics)?;
+        self.node_families(&mut encoder)?;
+        self.ack_floor_family(&mut encoder)
+    }
+}
+
+/// A handler's name, its tenant, and its counters, as the registry lists them.
+type HandlerRows<'a> = [(&'a str, Option<&'a str>, Arc<crate::observe::stats::HandlerMetrics>)];
+
+/// Settled deliveries by outcome, `handler.dedup` failures, dead letters by reason.
+fn outcome_families(encoder: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    counter(
+        encoder,
+        "messages",
+        "Settled deliveries by outcome.",
+        &[
+            ("outcome", "handled", s.handled),
+            ("outcome", "retry-scheduled", s.retry_scheduled),
+            ("outcome", "dead-lettered", s.dead_lettered.iter().map(|(_, n)| n).sum()),
+            ("outcome", "stranded", s.stranded),
+            ("outcome", "uncertain", s.uncertain),
+            ("outcome", "requeued", s.requeued),
+            ("outcome", "released", s.released),
+            ("outcome", "deduplicated", s.deduplicated),
+        ],
+    )?;
+    counter(
+        encoder,
+        "dedup_failures",
+        "handler.dedup store operations that failed, by operation.",
+        &[
+            ("op", "lookup", s.dedup_lookup_failures),
+            ("op", "record", s.dedup_record_failures),
+        ],
+    )?;
+    let reasons: Vec<(Reason, u64)> = s.dead_lettered.to_vec();
+    let by_reason: Vec<(&str, &str, u64)> = reasons.iter().map(|(r, n)| ("reason", r.as_str(), *n)).collect();
+    counter(encoder, "dead_letters", "Dead-letter captures by reason.", &by_reason)?;
+    Ok(())
+}
+
+/// Batches by why they ran and by size.
+fn batch_families(encoder: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    let flushes: Vec<(&str, &str, u64)> = s
+        .batch_flushes
+        .iter()
+        .map(|(r, n)| ("reason", r.as_str(), *n))
+        .collect();
+    counter(
+        encoder,
+        "batches",
+        "Batches handed to handle-batch, by why they ran.",
+        &flushes,
+    )?;
+    let bounds: Vec<String> = s
+        .batch_sizes
+        .iter()
+        .map(|(b, _)| {
+            if *b == u64::MAX {
+                "+Inf".to_owned()
+            } else {
+                b.to_string()
+            }
+        })
+        .collect();
+    let sizes: Vec<(&str, &str, u64)> = s
+        .batch_sizes
+        .iter()
+        .zip(&bounds)
+        .map(|((_, n), b)| ("size_at_most", b.as_str(), *n))
+        .collect();
+    counter(
+        encoder,
+        "batches_by_size",
+        "Batches by size bucket (members, inclusive upper bound; not cumulative).",
+        &sizes,
+    )?;
+    Ok(())
+}
+
+/// The plain counters, one family each.
+fn total_families(encoder: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    for (name, help, n) in [
+        (
+            "batch_members",
+            "Members of every batch handed to handle-batch.",
+            s.batch_members,
+        ),
+        (
+            "batch_replays",
+            "Batches whose call trapped or timed out, replayed member by member.",
+            s.batch_replays,
+        ),
+        (
+            "batch_released",
+            "Members of unstarted batches returned to the broker by a drain.",
+            s.batch_released,
+        ),
+        (
+            "ack_failures",
+            "Acks whose confirmation failed (the message may come again).",
+            s.ack_failures,
+        ),
+        ("cascaded", "Messages published by handlers, confirmed.", s.cascaded),
+        (
+            "cascades_uncertain",
+            "Cascade publishes whose confirm did not come in time (they may have landed; the cause is retried).",
+            s.cascades_uncertain,
+        ),
+        (
+            "cascades_duplicate",
+            "Cascades the broker dropped as copies of ones it already held (a rerun after a lost confirm).",
+            s.cascades_duplicate,
+        ),
+        (
+            "trace_spans_dropped",
+            "Spans dropped because the export queue toward the trace collector was full (the collector slow or unreachable).",
+            crate::telemetry::queue::spans_dropped(),
+        ),
+        (
+            "guest_faults",
+            "Guest calls that trapped, timed out or were interrupted.",
+            s.faults,
+        ),
+        (
+            "untrusted_headers",
+            "Deliveries whose weir-* headers carried no valid seal (from a publisher or a guest): moved under untrusted- names.",
+            s.untrusted_headers,
+        ),
+        (
+            "runner_panics",
+            "Slot runner jobs that panicked (caught; the runner restarted).",
+            s.runner_panics,
+        ),
+    ] {
+        let c = ConstCounter::new(n);
+        c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+    }
+    Ok(())
+}
+
+/// Settled deliveries by handler, tenant and outcome.
+fn handler_message_family(encoder: &mut DescriptorEncoder<'_>, handler_metrics: &HandlerRows<'_>) -> std::fmt::Result {
+    let probe = ConstCounter::new(0u64);
+    let mut m = encoder.encode_descriptor(
+        "handler_messages",
+        "Settled deliveries by handler, tenant and outcome.",
+        None,
+        probe.metric_type(),
+    )?;
+    for (name, tenant, hm) in handler_metrics {
+        for (outcome, n) in hm.outcomes.snapshot() {
+            let labels = [
+                ("handler", *name),
+                ("tenant", tenant.unwrap_or("")),
+                ("outcome", outcome),
+            ];
+            ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Guest calls running now, and how long they took, by handler.
+fn handler_call_families(encoder: &mut DescriptorEncoder<'_>, handler_metrics: &HandlerRows<'_>) -> std::fmt::Result {
+    {
+        let probe = ConstGauge::new(0i64);
+        let mut m = encoder.encode_descriptor(
+            "handler_calls_in_flight",
+            "Guest calls running now, by handler.",
+            None,
+            probe.metric_type(),
+        )?;
+        for (name, tenant, hm) in handler_metrics {
+            let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
+            ConstGauge::new(hm.in_flight()).encode(m.encode_family(&labels)?)?;
+        }
+    }
+    {
+        let mut m = encoder.encode_descriptor(
+            "handler_call_duration_seconds",
+            "Guest call durations (handle and handle-batch), by handler.",
+            None,
+            prometheus_client::metrics::MetricType::Histogram,
+        )?;
+        for (name, tenant, hm) in handler_metrics {
+            let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
+            let (sum, count, buckets) = hm.durations();
+            let mut family = m.encode_family(&labels)?;
+            family.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
+        }
+    }
+    Ok(())
+}
+
+impl Scrape {
+    /// The version each handler runs, and its running canary's tally.
+    fn version_families(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        let probe = ConstGauge::new(1i64);
+        let mut m = encoder.encode_descriptor(
+            "handler_version_info",
+            "The version each handler runs now (sha256 of the component).",
+            None,
+            probe.metric_type(),
+        )?;
+        let handlers = self.handlers.list(&Caller::Operator);
+        for h in &handlers {
+            let tenant = h.tenant.clone().unwrap_or_default();
+            let labels = [
+                ("handler", h.name.as_str()),
+                ("tenant", tenant.as_str()),
+                ("digest", h.current.digest.as_str()),
+                ("source", h.current.source.as_str()),
+            ];
+            ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
+        }
+        // A running canary against the stable version, since it began
+        // (a gauge: each canary counts from zero).
+        let mut family = encoder.encode_descriptor(
+            "canary_messages",
+            "Settled messages of a running canary and of the stable version since the canary began, by side and outcome.",
+            None,
+            probe.metric_type(),
+        )?;
+        for h in &handlers {
+            let Some(c) = &h.canary else { continue };
+            let tenant = h.tenant.clone().unwrap_or_default();
+            for (side, x) in [("canary", &c.compare.canary), ("stable", &c.compare.stable)] {
+                let t = &x.tally;
+                for (outcome, n) in [
+                    ("handled", t.handled),
+                    ("retry-scheduled", t.retried),
+                    ("dead-lettered", t.dead_lettered),
+                ] {
                     let labels = [
-                        ("handler", *name),
-                        ("tenant", tenant.unwrap_or("")),
+                        ("handler", h.name.as_str()),
+                        ("tenant", tenant.as_str()),
+                        ("side", side),
+                        ("digest", x.digest.as_str()),
                         ("outcome", outcome),
                     ];
-                    ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+                    ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Settled deliveries by slot, and each slot's lanes and parked groups.
+    fn slot_families(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         {
             let probe = ConstCounter::new(0u64);
             let mut m = encoder.encode_descriptor(
@@ -419,33 +485,12 @@ impl Collector for Scrape {
                 ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
             }
         }
-        {
-            let probe = ConstGauge::new(0i64);
-            let mut m = encoder.encode_descriptor(
-                "handler_calls_in_flight",
-                "Guest calls running now, by handler.",
-                None,
-                probe.metric_type(),
-            )?;
-            for (name, tenant, hm) in &handler_metrics {
-                let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
-                ConstGauge::new(hm.in_flight()).encode(m.encode_family(&labels)?)?;
-            }
-        }
-        {
-            let mut m = encoder.encode_descriptor(
-                "handler_call_duration_seconds",
-                "Guest call durations (handle and handle-batch), by handler.",
-                None,
-                prometheus_client::metrics::MetricType::Histogram,
-            )?;
-            for (name, tenant, hm) in &handler_metrics {
-                let labels = [("handler", *name), ("tenant", tenant.unwrap_or(""))];
-                let (sum, count, buckets) = hm.durations();
-                let mut family = m.encode_family(&labels)?;
-                family.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
-            }
-        }
+        Ok(())
+    }
+
+    /// Deploys, the slots this node owns against each topology's count, and
+    /// whether the node takes work.
+    fn node_families(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         let swaps = ConstCounter::new(self.handlers.swaps());
         swaps.encode(encoder.encode_descriptor(
             "handler_swaps",
@@ -502,6 +547,11 @@ impl Collector for Scrape {
             None,
             ready.metric_type(),
         )?)?;
+        Ok(())
+    }
+
+    /// How long each JetStream slot consumer's ack floor has stood still.
+    fn ack_floor_family(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         // Declared on every broker (empty but for JetStream), so dashboards
         // and alerts read the same families everywhere.
         let floors = self.transport.ack_floor();

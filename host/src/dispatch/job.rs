@@ -116,6 +116,10 @@ fn admitted(
 /// [`admit`]'s common case, without building its future: a decoded
 /// message, not kept for a capture retry, not pinned, that has a handler.
 /// Anything else comes back for [`admit`].
+#[allow(
+    clippy::result_large_err,
+    reason = "the delivery comes back whole for `admit`; boxing it would cost the common case an allocation"
+)]
 fn admit_now(p: &Pipeline, s: &SlotSettings, d: Delivery) -> Result<(Envelope, Pending), Delivery> {
     let handler = match &d.message {
         Ok(env) if capture_retry(&s.schedule, env.attempt).is_none() && env.header(header::HANDLER_PIN).is_none() => {

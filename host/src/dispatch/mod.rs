@@ -23,7 +23,8 @@
 //! times out is replayed member by member through `handle`.
 //!
 //! The files follow a delivery: [`runner`] takes it from the slot's
-//! subscription into a [`lane`] and schedules the lanes, [`batch`] takes a
+//! subscription, `intake` queues it in a [`lane`], `schedule` hands the
+//! lanes' work to the pool, [`batch`] takes a
 //! batch from a lane's head, [`job`] admits what a worker runs, calls the
 //! handler and hands the outcomes to [`crate::settle`]; [`supervisor`]
 //! restarts a runner whose subscription ended, with [`backoff`].
@@ -31,10 +32,12 @@
 pub mod backoff;
 pub mod batch;
 mod dedup_calls;
+mod intake;
 pub mod job;
 pub mod lane;
 mod park;
 pub mod runner;
+mod schedule;
 pub mod supervisor;
 
 use std::sync::Arc;

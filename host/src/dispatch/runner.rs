@@ -1,5 +1,7 @@
 //! The slot runner: consumes one slot, queues each delivery in its lane,
-//! schedules ready lanes onto the worker pool, and drains on stop.
+//! schedules ready lanes onto the worker pool, and drains on stop. The way
+//! of a delivery into its lane is in `intake`, the scheduler in `schedule`:
+//! both are methods of [`SlotRunner`], kept apart so each file reads alone.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -15,12 +17,11 @@ use tokio::sync::watch;
 use crate::outcome::{Outcome, Reason};
 use crate::retry::schedule::Redelivery;
 use crate::runtime::Interrupt;
-use crate::settle::capture::{capture_envelope, capture_undecodable};
+use crate::settle::capture::capture_envelope;
 use crate::transport::{Delivery, Disposition};
 
-use super::batch::{Take, take_batch};
-use super::job::{Parks, run_batches, run_lane};
-use super::lane::{BYPASS_SALT, Lane, LaneMap, Queued, lane_key, loose_key, take_queue};
+use super::job::Parks;
+use super::lane::{LaneMap, take_queue};
 use super::{LaneKind, Pipeline, RunnerReport, SlotSettings, panic_text};
 
 /// Negative control for the drain tests, never for production: with this
@@ -322,129 +323,10 @@ impl SlotRunner {
         }
     }
 
-    fn accept(&mut self, mut d: Delivery) {
-        match &mut d.message {
-            Ok(env) => self.admit_headers(env),
-            Err((wire, _)) => {
-                if self.p.seal.admit_raw(wire) > 0 {
-                    self.p.stats.untrusted_headers.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        let park;
-        let key = match &d.message {
-            Err(_) => {
-                let (p, s) = (self.p.clone(), self.s.clone());
-                self.job(Done::Capture, 1, async move {
-                    capture_undecodable(&p.slot(&s), d).await;
-                    Parks::new()
-                });
-                return;
-            }
-            Ok(env) if !self.skipped.is_empty() && self.skipped.remove(&env.id) => {
-                let error = "an operator skipped this head of a parked group (weir groups skip)".to_owned();
-                self.capture_now(d, Reason::Skipped, error);
-                return;
-            }
-            Ok(env) => {
-                let (batch, parks) = self.p.router.lane_rule(&self.s.topology, env);
-                let batch = batch.cloned();
-                park = parks && batch.is_none() && env.group().is_some() && !self.s.bypass_lanes;
-                match (env.group().filter(|_| !self.s.bypass_lanes), batch) {
-                    (Some(g), batch) => {
-                        let salt = if batch.is_some() && self.s.bypass_batch_lanes {
-                            BYPASS_SALT
-                        } else {
-                            0
-                        };
-                        Some((lane_key(env.tenant_id.as_deref(), g) ^ salt, batch, false))
-                    }
-                    (None, Some(rule)) => Some((loose_key(env.tenant_id.as_deref(), &rule.handler), Some(rule), true)),
-                    (None, None) => None,
-                }
-            }
-        };
-        let Some((key, batch, loose)) = key else {
-            self.unordered.push_back(d);
-            return;
-        };
-        let slot_full = self.slot_hold() >= self.s.park_hold_slot;
-        let lane = self.lanes.entry(key).or_insert_with(|| Lane {
-            loose,
-            ..Lane::default()
-        });
-        // Keys of a group and of loose batches could collide: the lane then
-        // keeps order (slower, never unsafe).
-        lane.loose &= loose;
-        let queued = Queued {
-            d,
-            at: Instant::now(),
-            batch,
-            park,
-        };
-        match lane.parked.as_mut() {
-            // The parked head is back from the ladder: it runs first.
-            // (Back before its job ended, on a ladder that retries at once:
-            // it waits at the back for [`SlotRunner::park`] to bring it
-            // forward. A head is never dead-lettered for the hold.)
-            Some(p) if queued.env().is_some_and(|e| e.id == p.id) => {
-                if p.head_back {
-                    lane.queue.push_back(queued);
-                } else {
-                    p.head_back = true;
-                    lane.queue.push_front(queued);
-                }
-                self.held += 1;
-            }
-            // A parked group holds what it may, and all the parked groups
-            // of the slot together hold less than its window; the rest is
-            // dead-lettered.
-            Some(p) if lane.queue.len() >= self.s.park_hold => {
-                let head = p.id.clone();
-                self.overflow(queued.d, &head, Bound::Group);
-                return;
-            }
-            Some(p) if slot_full => {
-                let head = p.id.clone();
-                self.overflow(queued.d, &head, Bound::Slot);
-                return;
-            }
-            Some(_) => {
-                lane.queue.push_back(queued);
-                self.held += 1;
-            }
-            None => lane.queue.push_back(queued),
-        }
-        self.queued += 1;
-        // A lingering batch may be complete now: look again.
-        lane.lingering = None;
-        if lane.can_start() && !lane.ready {
-            lane.ready = true;
-            self.ready.push_back(key);
-        }
-    }
-
-    /// Weir's own headers are Weir's: before anything reads a `weir-*`
-    /// header of this delivery, the ones without a valid seal (a
-    /// publisher's, a guest's) are moved aside ([`crate::seal`]).
-    fn admit_headers(&self, env: &mut crate::envelope::Envelope) {
-        let host_attempts = self.p.transport.retry_owner() == crate::transport::RetryOwner::Host;
-        if let crate::seal::Admission::Untrusted(moved) = self.p.seal.admit(env, host_attempts) {
-            self.p.stats.untrusted_headers.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(
-                topology = %self.s.topology,
-                slot = self.s.slot,
-                message_id = %crate::settle::capture::cut_text(&env.id, 128),
-                moved,
-                "weir-* headers without a valid seal moved under untrusted- names"
-            );
-        }
-    }
-
     /// Does this slot hold all the deliveries its prefetch allows (queued in
     /// lanes or in calls)? Then nothing more arrives until something settles,
     /// and a batch that waits for more members only holds the window.
-    fn window_full(&self) -> bool {
+    pub(super) fn window_full(&self) -> bool {
         let window = self.s.prefetch as usize;
         window > 0 && self.queued + self.unordered.len() + self.in_jobs >= window
     }
@@ -563,133 +445,6 @@ impl SlotRunner {
             }
             Done::Unordered => self.running_unordered -= 1,
             Done::Capture => {}
-        }
-    }
-
-    /// Hand ready work to the pool. A job may carry the next messages of
-    /// several lanes (each lane's in order, one lane after another, on one
-    /// worker); its size is the backlog shared out over the workers, capped
-    /// at `max_run`, so a backlog amortises the hand-off and a trickle still
-    /// goes out one message at a time. A lane whose head is a batched
-    /// message gives a batch instead (or lingers); the batches taken in one
-    /// round share one job the same way, their members counting towards its
-    /// size.
-    fn schedule(&mut self) {
-        let workers = self.p.pool.size().max(1);
-        let max_run = self.s.max_run.max(1);
-        let now = Instant::now();
-        let window_full = self.window_full();
-        while self.running_groups < self.s.max_concurrent_groups && !self.ready.is_empty() {
-            let target = (self.queued / workers).clamp(1, max_run);
-            let mut run: Vec<Delivery> = Vec::with_capacity(target);
-            let mut keys = Vec::new();
-            let mut batches = Vec::new();
-            let mut batch_keys = Vec::new();
-            let mut members = 0;
-            // One tenant per job: a job runs on one worker, one message after
-            // another, so a tenant waiting on its concurrency limit or
-            // running away must not hold another tenant's messages.
-            let mut job_tenant: Option<Option<String>> = None;
-            // Parked heads back from the ladder in this job.
-            let mut returning: Vec<String> = Vec::new();
-            while run.len() + members < target && self.running_groups < self.s.max_concurrent_groups {
-                let Some(key) = self.ready.pop_front() else { break };
-                let Some(lane) = self.lanes.get_mut(&key) else { continue };
-                let tenant = lane
-                    .queue
-                    .front()
-                    .and_then(Queued::env)
-                    .and_then(|e| e.tenant_id.as_deref());
-                match &job_tenant {
-                    None => job_tenant = Some(tenant.map(str::to_owned)),
-                    Some(t) if t.as_deref() == tenant => {}
-                    Some(_) => {
-                        self.ready.push_front(key);
-                        break;
-                    }
-                }
-                lane.ready = false;
-                if let Some(rule) = lane.queue.front().and_then(|q| q.batch.clone()) {
-                    match take_batch(lane, &rule, now, window_full) {
-                        Take::Wait(until) => {
-                            lane.lingering = Some(until);
-                            self.lingering.push(Reverse((until, key)));
-                        }
-                        Take::Batch(batch, reason) => {
-                            self.queued -= batch.len();
-                            if lane.parked.is_some() {
-                                self.held -= batch.len();
-                            }
-                            members += batch.len();
-                            lane.running += 1;
-                            self.running_groups += 1;
-                            if lane.can_start() {
-                                lane.ready = true;
-                                self.ready.push_back(key);
-                            }
-                            batches.push((batch, reason));
-                            batch_keys.push(key);
-                        }
-                    }
-                    continue;
-                }
-                // Single messages up to the next batched one; a message
-                // that parks its group on failure runs alone.
-                let n = if lane.queue.front().is_some_and(|q| q.park) {
-                    if let Some(p) = lane.parked.as_ref().filter(|p| p.head_back) {
-                        returning.push(p.id.clone());
-                    }
-                    1
-                } else {
-                    lane.queue
-                        .iter()
-                        .take(target - run.len() - members)
-                        .take_while(|q| q.batch.is_none() && !q.park)
-                        .count()
-                };
-                run.extend(lane.queue.drain(..n).map(|q| q.d));
-                self.queued -= n;
-                if lane.parked.is_some() {
-                    self.held -= n;
-                }
-                lane.running += 1;
-                self.running_groups += 1;
-                keys.push(key);
-            }
-            if !batches.is_empty() {
-                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                self.job(Done::Batches(batch_keys), members, async move {
-                    run_batches(p, s, c, batches).await;
-                    Parks::new()
-                });
-            }
-            if !keys.is_empty() {
-                let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-                let held = run.len();
-                self.job(Done::Groups(keys), held, run_lane(p, s, c, run, returning));
-            }
-        }
-        let unordered_run = if self.s.bypass_lanes { 1 } else { max_run };
-        while self.running_unordered < self.s.max_unordered.max(1) && !self.unordered.is_empty() {
-            let n = (self.unordered.len() / workers)
-                .clamp(1, unordered_run)
-                .min(self.unordered.len());
-            // One tenant per job, as for lanes.
-            fn tenant_of(d: &Delivery) -> Option<&str> {
-                d.message.as_ref().ok().and_then(|e| e.tenant_id.as_deref())
-            }
-            let first = self.unordered.front().and_then(tenant_of);
-            let n = self
-                .unordered
-                .iter()
-                .take(n)
-                .take_while(|d| tenant_of(d) == first)
-                .count()
-                .max(1);
-            let run: Vec<Delivery> = self.unordered.drain(..n).collect();
-            self.running_unordered += 1;
-            let (p, s, c) = (self.p.clone(), self.s.clone(), self.cancel.clone());
-            self.job(Done::Unordered, n, run_lane(p, s, c, run, Vec::new()));
         }
     }
 }

@@ -360,10 +360,32 @@ impl Schedule {
         let key = ctx.key.as_str();
         let policy = &self.policy;
         let mut report = Report::default();
-        let mut error = |k: String, m: String| report.errors.push(Violation { key: k, message: m });
         let mut warnings = Vec::new();
-        let mut warn = |k: String, m: String| warnings.push(Violation { key: k, message: m });
+        self.check_ladder(key, &mut report.errors);
+        self.check_ack_wait(key, &mut warnings);
+        self.check_time_to_dead_letter(ctx, &mut report.errors, &mut warnings);
+        self.check_capture_reserve(key, &mut warnings);
 
+        report.warnings.extend(warnings);
+        if policy.origin == Origin::Default {
+            let demoted = std::mem::take(&mut report.errors).into_iter().map(|v| Violation {
+                key: v.key,
+                message: format!(
+                    "(default retry policy: the topology has no [topology.retry] section) {}; \
+                     add a retry section to choose",
+                    v.message
+                ),
+            });
+            report.warnings.extend(demoted);
+        }
+        report
+    }
+
+    /// Each rung positive, and no more rungs than the deliveries serve (on
+    /// JetStream, fewer: the server refuses a BackOff as long as MaxDeliver).
+    fn check_ladder(&self, key: &str, errors: &mut Vec<Violation>) {
+        let policy = &self.policy;
+        let mut error = |k: String, m: String| errors.push(Violation { key: k, message: m });
         for (i, rung) in policy.ladder.iter().enumerate() {
             if rung.is_zero() {
                 error(
@@ -404,7 +426,12 @@ impl Schedule {
                 );
             }
         }
+    }
 
+    /// On JetStream, an AckWait the first rung replaces.
+    fn check_ack_wait(&self, key: &str, warnings: &mut Vec<Violation>) {
+        let policy = &self.policy;
+        let mut warn = |k: String, m: String| warnings.push(Violation { key: k, message: m });
         if let Redelivery::JetStream {
             ack_wait: Some(ack_wait),
             ..
@@ -425,7 +452,21 @@ impl Schedule {
                 ),
             );
         }
+    }
 
+    /// The last delivery and the dead letter against the stream's `max_age`
+    /// and `max_time_to_dead_letter` (and what unlimited deliveries leave
+    /// unbounded).
+    fn check_time_to_dead_letter(
+        &self,
+        ctx: &CheckContext,
+        errors: &mut Vec<Violation>,
+        warnings: &mut Vec<Violation>,
+    ) {
+        let key = ctx.key.as_str();
+        let policy = &self.policy;
+        let mut error = |k: String, m: String| errors.push(Violation { key: k, message: m });
+        let mut warn = |k: String, m: String| warnings.push(Violation { key: k, message: m });
         let max_age = ctx.stream_max_age.filter(|age| !age.is_zero());
         match (self.retention_needed(), self.time_to_dead_letter()) {
             (Some(retention), Some(to_dead_letter)) => {
@@ -491,7 +532,13 @@ impl Schedule {
                 }
             }
         }
+    }
 
+    /// What the broker's redelivery leaves: an empty ladder on the host's
+    /// ladder, room for a failed capture's retry on JetStream.
+    fn check_capture_reserve(&self, key: &str, warnings: &mut Vec<Violation>) {
+        let policy = &self.policy;
+        let mut warn = |k: String, m: String| warnings.push(Violation { key: k, message: m });
         match self.redelivery {
             Redelivery::Host if policy.ladder.is_empty() => warn(
                 format!("{key}.ladder"),
@@ -516,20 +563,6 @@ impl Schedule {
             }
             _ => {}
         }
-
-        report.warnings.extend(warnings);
-        if policy.origin == Origin::Default {
-            let demoted = std::mem::take(&mut report.errors).into_iter().map(|v| Violation {
-                key: v.key,
-                message: format!(
-                    "(default retry policy: the topology has no [topology.retry] section) {}; \
-                     add a retry section to choose",
-                    v.message
-                ),
-            });
-            report.warnings.extend(demoted);
-        }
-        report
     }
 }
 

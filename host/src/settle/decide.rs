@@ -13,8 +13,8 @@ use crate::envelope::Envelope;
 use crate::observe::logring::Source;
 use crate::outcome::{Outcome, Reason};
 use crate::retry::schedule::Step;
-use crate::runtime::{CallOutcome, FaultKind};
-use crate::transport::Disposition;
+use crate::runtime::{CallOutcome, FaultKind, HandlerVersion};
+use crate::transport::{Acker, Disposition};
 
 /// Settle every message of a call by its outcome (the one path single
 /// messages and batch members share); returns the id and outcome of each
@@ -202,43 +202,56 @@ async fn settle(cx: &Slot<'_>, env: Envelope, outcome: CallOutcome, pend: Pendin
         }
     };
     match cx.schedule.next_step(env.attempt) {
-        Step::RetryAfter(delay) => {
-            let mut next = env;
-            next.attempt += 1;
-            if cx.sink.transport.retry_owner() == crate::transport::RetryOwner::Host {
-                // The attempt travels in a header the host reads back: sealed,
-                // so a publisher's `weir-attempt` is never taken for one.
-                cx.sink.seal.sign(&mut next, true);
-            }
-            let (id, group, next_attempt) = (next.id.clone(), next.group_id.clone(), next.attempt);
-            match acker.settle(Disposition::Retry { envelope: next, delay }).await {
-                Ok(()) => {
-                    // One line per retry: who, why, and when it runs again
-                    // (on brokers that time redeliveries, the broker's delay).
-                    tracing::info!(
-                        handler = handler.name(),
-                        message_id = %id,
-                        group = group.as_deref().unwrap_or(""),
-                        failure = match final_reason {
-                            Reason::Exhausted => "retry",
-                            other => other.as_str(),
-                        },
-                        next_attempt,
-                        delay = %humantime::format_duration(delay),
-                        error = %super::capture::cut_text(&error, 1024),
-                        "retry scheduled"
-                    );
-                    if let Some(o) = cx.sink.observer {
-                        o.failed(&id, &error, Some(delay));
-                    }
-                    Outcome::RetryScheduled
-                }
-                Err(e) => {
-                    tracing::warn!(tag, error = %e, "scheduling a retry failed; the broker redelivers the original");
-                    Outcome::Requeued
-                }
-            }
-        }
+        Step::RetryAfter(delay) => schedule_retry(cx, env, delay, acker, &handler, (&error, final_reason), tag).await,
         Step::Exhausted => capture_envelope(cx, &env, acker, final_reason, &error, &source, Some(&handler), tag).await,
+    }
+}
+
+/// Put `env` back on the ladder for its next attempt after `delay`.
+/// `failure`: the failure's text, and the reason it is dead-lettered for
+/// once the ladder is exhausted.
+async fn schedule_retry(
+    cx: &Slot<'_>,
+    env: Envelope,
+    delay: Duration,
+    acker: Box<dyn Acker>,
+    handler: &HandlerVersion,
+    (error, final_reason): (&str, Reason),
+    tag: u64,
+) -> Outcome {
+    let mut next = env;
+    next.attempt += 1;
+    if cx.sink.transport.retry_owner() == crate::transport::RetryOwner::Host {
+        // The attempt travels in a header the host reads back: sealed,
+        // so a publisher's `weir-attempt` is never taken for one.
+        cx.sink.seal.sign(&mut next, true);
+    }
+    let (id, group, next_attempt) = (next.id.clone(), next.group_id.clone(), next.attempt);
+    match acker.settle(Disposition::Retry { envelope: next, delay }).await {
+        Ok(()) => {
+            // One line per retry: who, why, and when it runs again
+            // (on brokers that time redeliveries, the broker's delay).
+            tracing::info!(
+                handler = handler.name(),
+                message_id = %id,
+                group = group.as_deref().unwrap_or(""),
+                failure = match final_reason {
+                    Reason::Exhausted => "retry",
+                    other => other.as_str(),
+                },
+                next_attempt,
+                delay = %humantime::format_duration(delay),
+                error = %super::capture::cut_text(error, 1024),
+                "retry scheduled"
+            );
+            if let Some(o) = cx.sink.observer {
+                o.failed(&id, error, Some(delay));
+            }
+            Outcome::RetryScheduled
+        }
+        Err(e) => {
+            tracing::warn!(tag, error = %e, "scheduling a retry failed; the broker redelivers the original");
+            Outcome::Requeued
+        }
     }
 }

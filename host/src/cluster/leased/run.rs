@@ -162,12 +162,7 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
         owned: 0,
     };
     tracing::info!(node = %c.name, id = %st.node_id, lease = ?c.lease, "registered with the coordinator");
-    let late_control = std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1");
-    if late_control {
-        tracing::error!(
-            "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
-        );
-    }
+    let late_control = late_fence_control();
     let renewals = Renewals::start(c.store.clone(), c.lease, st.node_id, registered);
     let mut margin = c.margin();
     let mut listener = Wakeups::default();
@@ -189,35 +184,11 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
             .as_ref()
             .filter(|l| !l.interrupted)
             .map(|l| l.since + c.drain_deadline);
-        if fence_at.is_some_and(|f| Instant::now() >= f) {
-            fence(&c, &mut st, fence_after).await;
-        } else if drain_at.is_some_and(|d| Instant::now() >= d) {
-            if let Some(l) = leaving.as_mut() {
-                l.interrupted = true;
-            }
-            tracing::warn!(node = %c.name, deadline = ?c.drain_deadline, running = ?c.slots.running(), "drain deadline: interrupting the calls still running (they are released, not failed)");
-            c.slots.interrupt_all();
-        }
-        if let Some(l) = &leaving {
-            let done =
-                st.fenced || (l.marked && st.owned == 0 && st.releasing.is_empty() && c.slots.running().is_empty());
-            if done {
-                break;
-            }
-            // A lease after the deadline the interrupted calls have ended;
-            // a runner still not done waits on something else (the broker).
-            // Give up: stop renewing without freeing anything, so the
-            // leader frees the slots only once the lease (and the margin)
-            // ran out, by which time this process has exited.
-            if l.interrupted && l.since.elapsed() >= c.drain_deadline + c.lease {
-                let stuck = c.slots.running();
-                tracing::error!(node = %c.name, slots = ?stuck, "drain deadline + lease passed and these slots still drain; exiting without releasing them (the leader frees them when this node's lease expires)");
-                for (_, h) in st.releasing.drain() {
-                    h.abort();
-                }
-                c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
-                anyhow::bail!("{} slots did not finish draining: {stuck:?}", stuck.len());
-            }
+        fence_or_interrupt(&c, &mut st, leaving.as_mut(), fence_at, drain_at, fence_after).await;
+        if let Some(l) = &leaving
+            && left(&c, &mut st, l)?
+        {
+            break;
         }
         let fence_at = st.renewed.filter(|_| !st.fenced).map(|r| r + fence_after);
         let give_up_at = leaving
@@ -252,68 +223,148 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
             if leaving.is_some() {
                 break;
             }
-            let sent = Instant::now();
-            match step(&c, None, c.store.register()).await {
-                Ok(id) => {
-                    st.node_id = id;
-                    st.renewed = Some(sent);
-                    st.fenced = false;
-                    renewals.registered(id, sent);
-                    tracing::info!(node = %c.name, id = %id, "registered again");
-                }
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "registering again failed; retrying"),
-            }
+            register_again(&c, &mut st, &renewals).await;
             continue;
         }
         if let Some(sent) = renewed.sent {
             st.renewed = Some(sent);
         }
-        let fresh = st.renewed.is_some_and(|r| r.elapsed() < fence_after);
-        if fresh {
-            if st.fenced {
-                tracing::info!(node = %c.name, "coordinator reachable again; lease renewed");
-                st.fenced = false;
-            }
-            if leaving.is_none() {
-                c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
-        if !fresh {
+        if !fresh(&c, &mut st, leaving.is_none(), fence_after) {
             fence(&c, &mut st, fence_after).await;
             continue;
         }
         let fence_at = st.renewed.map(|r| r + fence_after);
-        if let Some(l) = leaving.as_mut().filter(|l| !l.marked) {
-            match step(&c, fence_at, c.store.mark_leaving(st.node_id)).await {
-                Ok(()) => l.marked = true,
-                Err(e) => {
-                    tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying")
-                }
-            }
+        duties(&c, &mut st, leaving.as_mut(), fence_at).await;
+    }
+    leave(&c, st, renewals).await;
+    Ok(())
+}
+
+/// Is the negative control of the fencing tests on? Said loudly when it is.
+fn late_fence_control() -> bool {
+    let late_control = std::env::var(NEGATIVE_CONTROL_LATE_FENCE).is_ok_and(|v| v == "1");
+    if late_control {
+        tracing::error!(
+            "{NEGATIVE_CONTROL_LATE_FENCE}=1: fencing AFTER the lease expired (a test's negative control; never in production)"
+        );
+    }
+    late_control
+}
+
+/// Fence once the fencing deadline passed; else, once a leaving node's
+/// drain deadline passed, interrupt the calls still running.
+async fn fence_or_interrupt(
+    c: &Member,
+    st: &mut Tick,
+    leaving: Option<&mut Leaving>,
+    fence_at: Option<Instant>,
+    drain_at: Option<Instant>,
+    fence_after: Duration,
+) {
+    if fence_at.is_some_and(|f| Instant::now() >= f) {
+        fence(c, st, fence_after).await;
+    } else if drain_at.is_some_and(|d| Instant::now() >= d) {
+        if let Some(l) = leaving {
+            l.interrupted = true;
         }
-        // A leaving node keeps the leadership it has (and its duties) but
-        // does not take it.
-        if leaving.is_none() || st.leader {
-            match step(&c, fence_at, c.store.try_lead(st.node_id)).await {
-                Ok(lead) => {
-                    if lead != st.leader {
-                        tracing::info!(node = %c.name, leader = lead, "leadership changed");
-                    }
-                    st.leader = lead;
-                    if lead && let Err(e) = step(&c, fence_at, c.store.lead(st.node_id)).await {
-                        warn_unless_not_ready(&e, "leader pass failed");
-                    }
-                }
-                Err(e) => warn_unless_not_ready(&e, "leader lease check failed"),
-            }
+        tracing::warn!(node = %c.name, deadline = ?c.drain_deadline, running = ?c.slots.running(), "drain deadline: interrupting the calls still running (they are released, not failed)");
+        c.slots.interrupt_all();
+    }
+}
+
+/// Has a leaving node finished (every slot drained and released, or the
+/// node fenced)? An error when it must give up instead.
+fn left(c: &Member, st: &mut Tick, l: &Leaving) -> anyhow::Result<bool> {
+    let done = st.fenced || (l.marked && st.owned == 0 && st.releasing.is_empty() && c.slots.running().is_empty());
+    if done {
+        return Ok(true);
+    }
+    // A lease after the deadline the interrupted calls have ended;
+    // a runner still not done waits on something else (the broker).
+    // Give up: stop renewing without freeing anything, so the
+    // leader frees the slots only once the lease (and the margin)
+    // ran out, by which time this process has exited.
+    if l.interrupted && l.since.elapsed() >= c.drain_deadline + c.lease {
+        let stuck = c.slots.running();
+        tracing::error!(node = %c.name, slots = ?stuck, "drain deadline + lease passed and these slots still drain; exiting without releasing them (the leader frees them when this node's lease expires)");
+        for (_, h) in st.releasing.drain() {
+            h.abort();
         }
-        if let Err(e) = step(&c, fence_at, c.reconcile(&mut st, leaving.is_some())).await {
-            warn_unless_not_ready(&e, "reconciling this node's slots failed");
+        c.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+        anyhow::bail!("{} slots did not finish draining: {stuck:?}", stuck.len());
+    }
+    Ok(false)
+}
+
+/// After the lease expired and everything was fenced: register as a new
+/// node (retried on the next pass when it fails).
+async fn register_again(c: &Member, st: &mut Tick, renewals: &Renewals) {
+    let sent = Instant::now();
+    match step(c, None, c.store.register()).await {
+        Ok(id) => {
+            st.node_id = id;
+            st.renewed = Some(sent);
+            st.fenced = false;
+            renewals.registered(id, sent);
+            tracing::info!(node = %c.name, id = %id, "registered again");
+        }
+        Err(e) => tracing::warn!(error = %format!("{e:#}"), "registering again failed; retrying"),
+    }
+}
+
+/// Is the lease renewed recently enough to act on? Then a fenced node is
+/// unfenced, and one that is not leaving is ready.
+fn fresh(c: &Member, st: &mut Tick, staying: bool, fence_after: Duration) -> bool {
+    let fresh = st.renewed.is_some_and(|r| r.elapsed() < fence_after);
+    if fresh {
+        if st.fenced {
+            tracing::info!(node = %c.name, "coordinator reachable again; lease renewed");
+            st.fenced = false;
+        }
+        if staying {
+            c.ready.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
-    // Every slot is drained (or fenced): give up what is left and the
-    // registration. Bounded: a store that does not answer lets the lease
-    // expire, and the leader frees the slots then.
+    fresh
+}
+
+/// A renewed node's duties of one pass: mark itself leaving (once), take or
+/// keep the leadership and make the leader's pass, reconcile its slots.
+async fn duties(c: &Member, st: &mut Tick, leaving: Option<&mut Leaving>, fence_at: Option<Instant>) {
+    let is_leaving = leaving.is_some();
+    if let Some(l) = leaving.filter(|l| !l.marked) {
+        match step(c, fence_at, c.store.mark_leaving(st.node_id)).await {
+            Ok(()) => l.marked = true,
+            Err(e) => {
+                tracing::warn!(node = %c.name, error = %format!("{e:#}"), "marking this node as leaving failed; retrying")
+            }
+        }
+    }
+    // A leaving node keeps the leadership it has (and its duties) but
+    // does not take it.
+    if !is_leaving || st.leader {
+        match step(c, fence_at, c.store.try_lead(st.node_id)).await {
+            Ok(lead) => {
+                if lead != st.leader {
+                    tracing::info!(node = %c.name, leader = lead, "leadership changed");
+                }
+                st.leader = lead;
+                if lead && let Err(e) = step(c, fence_at, c.store.lead(st.node_id)).await {
+                    warn_unless_not_ready(&e, "leader pass failed");
+                }
+            }
+            Err(e) => warn_unless_not_ready(&e, "leader lease check failed"),
+        }
+    }
+    if let Err(e) = step(c, fence_at, c.reconcile(st, is_leaving)).await {
+        warn_unless_not_ready(&e, "reconciling this node's slots failed");
+    }
+}
+
+/// Every slot is drained (or fenced): give up what is left and the
+/// registration. Bounded: a store that does not answer lets the lease
+/// expire, and the leader frees the slots then.
+async fn leave(c: &Member, mut st: Tick, renewals: Renewals) {
     for (_, h) in st.releasing.drain() {
         h.abort();
     }
@@ -326,7 +377,6 @@ pub async fn run(c: Member, mut stop: watch::Receiver<bool>) -> anyhow::Result<(
             tracing::warn!(node = %c.name, error = %format!("{e:#}"), "could not leave the cluster cleanly; the leader frees this node's slots when its lease expires")
         }
     }
-    Ok(())
 }
 
 /// `f` until it succeeds, every second, warning once per failure streak and

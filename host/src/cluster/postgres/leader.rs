@@ -56,148 +56,208 @@ impl Tables {
         if still.is_none() {
             return Ok(());
         }
-        // Every slot of the config has its row: one statement for all of
-        // them (one per slot was two thirds of a 100-node cluster's
-        // statements, docs/SCALE.md).
-        let (topologies, numbers): (Vec<&str>, Vec<i32>) = self
-            .all_slots
-            .iter()
-            .map(|(t, s)| (t.as_str(), i32::try_from(*s).unwrap_or(i32::MAX)))
-            .unzip();
-        sqlx::query(
-            "INSERT INTO weir_slots (topology, slot) SELECT * FROM UNNEST($1::text[], $2::int[]) ON CONFLICT DO NOTHING",
-        )
-        .bind(&topologies)
-        .bind(&numbers)
-        .execute(&mut *tx)
-        .await?;
-        let expired: Vec<Uuid> = sqlx::query(
-            "DELETE FROM weir_nodes WHERE lease_until < now() - make_interval(secs => $1) RETURNING node_id",
-        )
-        .bind(secs(REASSIGN_MARGIN))
-        .fetch_all(&mut *tx)
-        .await?
-        .iter()
-        .map(|r| r.get::<Uuid, _>(0))
-        .collect();
-        if !expired.is_empty() {
-            let freed = sqlx::query(
-                "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = ANY($1)",
-            )
-            .bind(&expired)
-            .execute(&mut *tx)
-            .await?;
-            tracing::warn!(nodes = ?expired, slots = freed.rows_affected(), "leader: nodes whose lease expired were removed; their slots are free");
-        }
-        // Every registered node, whether its lease is live and whether it is
-        // leaving, in one read. `FOR SHARE`: a node marking itself leaving
-        // waits for this pass to commit, so it sees (and releases) whatever
-        // this pass gives it.
-        let nodes: Vec<(Uuid, bool, bool)> =
-            sqlx::query("SELECT node_id, lease_until > now(), leaving FROM weir_nodes ORDER BY node_id FOR SHARE")
-                .fetch_all(&mut *tx)
-                .await?
-                .iter()
-                .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1), r.get::<bool, _>(2)))
-                .collect();
-        // Nodes that may be given slots: live and not leaving.
-        let live: Vec<Uuid> = nodes
-            .iter()
-            .filter(|(_, l, leaving)| *l && !*leaving)
-            .map(|(n, ..)| *n)
-            .collect();
-        let registered: HashSet<Uuid> = nodes.iter().map(|(n, ..)| *n).collect();
-        // Registered, lease expired (not yet by the margin): may be fencing.
-        let expiring: HashSet<Uuid> = nodes.iter().filter(|(_, l, _)| !*l).map(|(n, ..)| *n).collect();
-        let rows = sqlx::query(
-            "SELECT topology, slot, owner, epoch, state, target FROM weir_slots ORDER BY topology, slot FOR UPDATE",
-        )
-        .fetch_all(&mut *tx)
-        .await?;
-        struct SlotRow {
-            topology: String,
-            slot: i32,
-            owner: Option<Uuid>,
-            state: String,
-            target: Option<Uuid>,
-        }
-        let rows: Vec<SlotRow> = rows
-            .iter()
-            .map(|r| SlotRow {
-                topology: r.get(0),
-                slot: r.get(1),
-                owner: r.get(2),
-                state: r.get(4),
-                target: r.get(5),
-            })
-            .collect();
-        let live_set: HashSet<Uuid> = live.iter().copied().collect();
-        // A slot whose owner's lease expired, but not yet by the margin, is
-        // left alone: that owner may still be fencing itself. A leaving
-        // owner keeps its slots until it releases them, to the target set
-        // here when there is one.
-        let current: Vec<Option<Uuid>> = rows.iter().map(|r| r.owner.filter(|o| live_set.contains(o))).collect();
-        let desired = assign::assign(&live, &current);
-        let mut changed = false;
-        for (row, want) in rows.iter().zip(desired) {
-            let pinned = row.owner.is_some_and(|o| expiring.contains(&o));
-            if pinned || row.owner == want {
-                continue;
-            }
-            // An owner that is no longer registered left (after draining) or
-            // was removed (after fencing): nothing of it runs. Its slot
-            // would otherwise wait for a release that never comes.
-            if let Some(gone) = row.owner.filter(|o| !registered.contains(o)) {
-                sqlx::query(
-                    "UPDATE weir_slots SET owner = $4, epoch = epoch + CASE WHEN $4::uuid IS NULL THEN 0 ELSE 1 END, \
-                         state = CASE WHEN $4::uuid IS NULL THEN 'free' ELSE 'assigned' END, target = NULL, changed_at = now() \
-                     WHERE topology = $1 AND slot = $2 AND owner = $3",
-                )
-                .bind(&row.topology)
-                .bind(row.slot)
-                .bind(gone)
-                .bind(want)
-                .execute(&mut *tx)
-                .await?;
-                changed = true;
-                tracing::warn!(topology = %row.topology, slot = row.slot, gone = %gone, owner = %want.map_or_else(|| "none".to_owned(), |u| u.to_string()), "leader: the slot's owner is no longer registered; slot reassigned");
-                continue;
-            }
-            match (row.owner, want) {
-                (None, Some(node)) => {
-                    sqlx::query(
-                        "UPDATE weir_slots SET owner = $3, epoch = epoch + 1, state = 'assigned', target = NULL, changed_at = now() \
-                         WHERE topology = $1 AND slot = $2 AND owner IS NULL",
-                    )
-                    .bind(&row.topology)
-                    .bind(row.slot)
-                    .bind(node)
-                    .execute(&mut *tx)
-                    .await?;
-                    changed = true;
-                    tracing::info!(topology = %row.topology, slot = row.slot, owner = %node, "leader: slot assigned");
-                }
-                (Some(_), Some(node)) if row.state == "assigned" || row.target != Some(node) => {
-                    sqlx::query(
-                        "UPDATE weir_slots SET state = 'releasing', target = $3, changed_at = now() WHERE topology = $1 AND slot = $2",
-                    )
-                    .bind(&row.topology)
-                    .bind(row.slot)
-                    .bind(node)
-                    .execute(&mut *tx)
-                    .await?;
-                    changed = true;
-                    tracing::info!(topology = %row.topology, slot = row.slot, from = %row.owner.map_or_else(|| "none".to_owned(), |u| u.to_string()), to = %node, "leader: asked the owner to release the slot");
-                }
-                _ => {}
-            }
-        }
+        self.ensure_slot_rows(&mut tx).await?;
+        let expired = remove_expired(&mut tx).await?;
+        let nodes = read_nodes(&mut tx).await?;
+        let rows = read_slots(&mut tx).await?;
+        let changed = reassign(&mut tx, &nodes, &rows).await?;
         if changed || !expired.is_empty() {
             notify(&mut *tx).await?;
         }
         tx.commit().await.context("leader: commit")?;
         Ok(())
     }
+
+    /// Every slot of the config has its row: one statement for all of
+    /// them (one per slot was two thirds of a 100-node cluster's
+    /// statements, docs/SCALE.md).
+    async fn ensure_slot_rows(&self, tx: &mut sqlx::PgConnection) -> anyhow::Result<()> {
+        let (topologies, numbers): (Vec<&str>, Vec<i32>) = self
+            .all_slots
+            .iter()
+            .map(|(t, s)| (t.as_str(), i32::try_from(*s).unwrap_or(i32::MAX)))
+            .unzip();
+        sqlx::query(
+        "INSERT INTO weir_slots (topology, slot) SELECT * FROM UNNEST($1::text[], $2::int[]) ON CONFLICT DO NOTHING",
+    )
+    .bind(&topologies)
+    .bind(&numbers)
+    .execute(&mut *tx)
+    .await?;
+        Ok(())
+    }
+}
+
+/// Remove the nodes whose lease expired by more than the margin, and free
+/// their slots; the nodes removed.
+async fn remove_expired(tx: &mut sqlx::PgConnection) -> anyhow::Result<Vec<Uuid>> {
+    let expired: Vec<Uuid> =
+        sqlx::query("DELETE FROM weir_nodes WHERE lease_until < now() - make_interval(secs => $1) RETURNING node_id")
+            .bind(secs(REASSIGN_MARGIN))
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(|r| r.get::<Uuid, _>(0))
+            .collect();
+    if !expired.is_empty() {
+        let freed = sqlx::query(
+            "UPDATE weir_slots SET owner = NULL, state = 'free', target = NULL, changed_at = now() WHERE owner = ANY($1)",
+        )
+        .bind(&expired)
+        .execute(&mut *tx)
+        .await?;
+        tracing::warn!(nodes = ?expired, slots = freed.rows_affected(), "leader: nodes whose lease expired were removed; their slots are free");
+    }
+    Ok(expired)
+}
+
+/// The registered nodes, as one leader pass reads them.
+struct Nodes {
+    /// Nodes that may be given slots: live and not leaving.
+    live: Vec<Uuid>,
+    registered: HashSet<Uuid>,
+    /// Registered, lease expired (not yet by the margin): may be fencing.
+    expiring: HashSet<Uuid>,
+}
+
+/// Every registered node, whether its lease is live and whether it is
+/// leaving, in one read. `FOR SHARE`: a node marking itself leaving
+/// waits for this pass to commit, so it sees (and releases) whatever
+/// this pass gives it.
+async fn read_nodes(tx: &mut sqlx::PgConnection) -> anyhow::Result<Nodes> {
+    let nodes: Vec<(Uuid, bool, bool)> =
+        sqlx::query("SELECT node_id, lease_until > now(), leaving FROM weir_nodes ORDER BY node_id FOR SHARE")
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(|r| (r.get::<Uuid, _>(0), r.get::<bool, _>(1), r.get::<bool, _>(2)))
+            .collect();
+    // Nodes that may be given slots: live and not leaving.
+    let live: Vec<Uuid> = nodes
+        .iter()
+        .filter(|(_, l, leaving)| *l && !*leaving)
+        .map(|(n, ..)| *n)
+        .collect();
+    let registered: HashSet<Uuid> = nodes.iter().map(|(n, ..)| *n).collect();
+    // Registered, lease expired (not yet by the margin): may be fencing.
+    let expiring: HashSet<Uuid> = nodes.iter().filter(|(_, l, _)| !*l).map(|(n, ..)| *n).collect();
+    Ok(Nodes {
+        live,
+        registered,
+        expiring,
+    })
+}
+
+/// A slot's row, as the leader reads it.
+struct SlotRow {
+    topology: String,
+    slot: i32,
+    owner: Option<Uuid>,
+    state: String,
+    target: Option<Uuid>,
+}
+
+/// Every slot's row, locked for this pass.
+async fn read_slots(tx: &mut sqlx::PgConnection) -> anyhow::Result<Vec<SlotRow>> {
+    let rows = sqlx::query(
+        "SELECT topology, slot, owner, epoch, state, target FROM weir_slots ORDER BY topology, slot FOR UPDATE",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| SlotRow {
+            topology: r.get(0),
+            slot: r.get(1),
+            owner: r.get(2),
+            state: r.get(4),
+            target: r.get(5),
+        })
+        .collect())
+}
+
+/// Give each slot the owner [`assign::assign`] wants, or ask its owner to
+/// hand it over; whether any row changed.
+async fn reassign(tx: &mut sqlx::PgConnection, nodes: &Nodes, rows: &[SlotRow]) -> anyhow::Result<bool> {
+    let Nodes {
+        live,
+        registered,
+        expiring,
+    } = nodes;
+    let live_set: HashSet<Uuid> = live.iter().copied().collect();
+    // A slot whose owner's lease expired, but not yet by the margin, is
+    // left alone: that owner may still be fencing itself. A leaving
+    // owner keeps its slots until it releases them, to the target set
+    // here when there is one.
+    let current: Vec<Option<Uuid>> = rows.iter().map(|r| r.owner.filter(|o| live_set.contains(o))).collect();
+    let desired = assign::assign(live, &current);
+    let mut changed = false;
+    for (row, want) in rows.iter().zip(desired) {
+        let pinned = row.owner.is_some_and(|o| expiring.contains(&o));
+        if pinned || row.owner == want {
+            continue;
+        }
+        changed |= reassign_slot(tx, row, want, registered).await?;
+    }
+    Ok(changed)
+}
+
+/// Move one slot towards `want`; whether its row changed.
+async fn reassign_slot(
+    tx: &mut sqlx::PgConnection,
+    row: &SlotRow,
+    want: Option<Uuid>,
+    registered: &HashSet<Uuid>,
+) -> anyhow::Result<bool> {
+    let mut changed = false;
+    // An owner that is no longer registered left (after draining) or
+    // was removed (after fencing): nothing of it runs. Its slot
+    // would otherwise wait for a release that never comes.
+    if let Some(gone) = row.owner.filter(|o| !registered.contains(o)) {
+        sqlx::query(
+            "UPDATE weir_slots SET owner = $4, epoch = epoch + CASE WHEN $4::uuid IS NULL THEN 0 ELSE 1 END, \
+                 state = CASE WHEN $4::uuid IS NULL THEN 'free' ELSE 'assigned' END, target = NULL, changed_at = now() \
+             WHERE topology = $1 AND slot = $2 AND owner = $3",
+        )
+        .bind(&row.topology)
+        .bind(row.slot)
+        .bind(gone)
+        .bind(want)
+        .execute(&mut *tx)
+        .await?;
+        changed = true;
+        tracing::warn!(topology = %row.topology, slot = row.slot, gone = %gone, owner = %want.map_or_else(|| "none".to_owned(), |u| u.to_string()), "leader: the slot's owner is no longer registered; slot reassigned");
+        return Ok(changed);
+    }
+    match (row.owner, want) {
+        (None, Some(node)) => {
+            sqlx::query(
+                "UPDATE weir_slots SET owner = $3, epoch = epoch + 1, state = 'assigned', target = NULL, changed_at = now() \
+                 WHERE topology = $1 AND slot = $2 AND owner IS NULL",
+            )
+            .bind(&row.topology)
+            .bind(row.slot)
+            .bind(node)
+            .execute(&mut *tx)
+            .await?;
+            changed = true;
+            tracing::info!(topology = %row.topology, slot = row.slot, owner = %node, "leader: slot assigned");
+        }
+        (Some(_), Some(node)) if row.state == "assigned" || row.target != Some(node) => {
+            sqlx::query(
+                "UPDATE weir_slots SET state = 'releasing', target = $3, changed_at = now() WHERE topology = $1 AND slot = $2",
+            )
+            .bind(&row.topology)
+            .bind(row.slot)
+            .bind(node)
+            .execute(&mut *tx)
+            .await?;
+            changed = true;
+            tracing::info!(topology = %row.topology, slot = row.slot, from = %row.owner.map_or_else(|| "none".to_owned(), |u| u.to_string()), to = %node, "leader: asked the owner to release the slot");
+        }
+        _ => {}
+    }
+    Ok(changed)
 }
 
 /// Against the real PostgreSQL (`WEIR_TEST_PG_URL`, as the cluster tests):
