@@ -2,11 +2,12 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 use weir::config;
 
-use super::{call, dead_letters, deploy, scaffold};
+use super::{call, dead_letters, deploy, dev, handlers, logs, scaffold};
 
 /// Weir: message handlers in WebAssembly, one host per node.
 #[derive(Parser)]
@@ -52,70 +53,17 @@ pub enum Command {
     /// in flight) and nodes, with every unowned slot flagged (red on a terminal).
     /// From the coordinator database in `postgres` mode, or from the admin
     /// listener of one or more nodes in any mode.
-    Status {
-        /// A node's TOML config: its `[cluster] database_url` in postgres mode,
-        /// else its `node.admin` (with its admin_token unless --token is given).
-        #[arg(long, required_unless_present = "admin")]
-        config: Option<PathBuf>,
-        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable:
-        /// the nodes' views are merged, so static-mode clusters show whole).
-        #[arg(long)]
-        admin: Vec<String>,
-        /// The operator token of those listeners (or WEIR_TOKEN).
-        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// Print JSON (the same as `GET /v1/slots`) instead of tables.
-        #[arg(long)]
-        json: bool,
-        /// Redraw every SECONDS (default 2) until Ctrl-C.
-        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
-        watch: Option<f64>,
-    },
+    Status(StatusArgs),
     /// Each handler's topology, tenant, running version (since when, made
     /// by what) and canary: from the admin listeners given (merged; a
     /// version that differs between nodes is shown per node), the config's
     /// node.admin, or in postgres and nats-kv modes the store.
-    Handlers {
-        /// A node's TOML config: its node.admin (with its admin_token unless
-        /// --token is given), else in postgres or nats-kv mode its store.
-        #[arg(long, required_unless_present = "admin")]
-        config: Option<PathBuf>,
-        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
-        #[arg(long)]
-        admin: Vec<String>,
-        /// The token of those listeners (or WEIR_TOKEN); a tenant's token sees its handlers.
-        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Handlers(handlers::Request),
     /// A handler's recent log lines (its `log` calls, granted stdout and
     /// stderr), and the failures and faults its calls ended in, from the
     /// admin listeners of the nodes running it (each keeps the last 512 lines
     /// per handler), merged by time.
-    Logs {
-        /// The handler's name.
-        handler: String,
-        /// A node's TOML config: its node.admin, with its admin_token unless --token is given.
-        #[arg(long, required_unless_present = "admin")]
-        config: Option<PathBuf>,
-        /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
-        #[arg(long)]
-        admin: Vec<String>,
-        /// The token of those listeners (or WEIR_TOKEN); a tenant's token sees its own handlers.
-        #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// Keep printing new lines as they come, until Ctrl-C.
-        #[arg(long, short = 'f')]
-        follow: bool,
-        /// Lines per node, newest last (1 to 1000).
-        #[arg(long, short = 'n', default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=1000))]
-        limit: u16,
-        /// One JSON object a line, each with its node.
-        #[arg(long)]
-        json: bool,
-    },
+    Logs(logs::Request),
     /// Publish messages through the configured broker to the slot of their
     /// group (publisher confirms), with a progress bar for large counts.
     Publish {
@@ -175,37 +123,7 @@ pub enum Command {
     /// limits a node gives it, and print the outcome (ok, retry, reject or a
     /// fault), every cascade it published, its log lines and the time taken.
     /// Exit 0 when every message answered ok, 1 otherwise.
-    Call {
-        /// The component (`.wasm`).
-        component: PathBuf,
-        /// The message type.
-        #[arg(long = "type")]
-        message_type: String,
-        /// The group id.
-        #[arg(long)]
-        group: Option<String>,
-        /// The tenant id.
-        #[arg(long)]
-        tenant: Option<String>,
-        /// The payload: text, or `@FILE` for a file's bytes.
-        #[arg(long, conflicts_with = "each")]
-        payload: Option<String>,
-        /// One message per non-empty line of this file (JSONL), the line as its payload.
-        #[arg(long)]
-        each: Option<PathBuf>,
-        /// A header, `NAME=VALUE` (repeatable).
-        #[arg(long = "header", value_parser = call::pair)]
-        headers: Vec<(String, String)>,
-        /// A key of the handler's config table, `KEY=VALUE` (repeatable).
-        #[arg(long = "config", value_parser = call::pair)]
-        config: Vec<(String, String)>,
-        /// Deliver all the messages in one `handle-batch` call.
-        #[arg(long)]
-        batch: bool,
-        /// The call's timeout (limits.timeout), e.g. `2s`.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        timeout: Option<std::time::Duration>,
-    },
+    Call(CallArgs),
     /// Make a handler project in `./NAME` from a template in this binary: the
     /// handler (decodes JSON, publishes a cascade, rejects bad input), a unit
     /// test that runs natively, the WIT (and for Rust the SDK) it needs, a
@@ -245,24 +163,7 @@ pub enum Command {
     /// posted to `POST /v1/topologies/{T}/messages`, print what each message
     /// did. A save of a Python or JavaScript handler runs with the next message
     /// (live sources); a new import, or a Rust handler's save, is built and deployed.
-    Dev {
-        /// The project directory.
-        #[arg(long, default_value = ".")]
-        dir: PathBuf,
-        /// The admin listener's address (default: weir.toml's node.admin, else 127.0.0.1:9464).
-        #[arg(long)]
-        admin: Option<std::net::SocketAddr>,
-        /// A message type the handler takes (repeatable), for a project without weir.toml.
-        #[arg(long = "type")]
-        types: Vec<String>,
-        /// Build with crates already downloaded only (cargo --offline).
-        #[arg(long)]
-        offline: bool,
-        /// Python and JavaScript: build and deploy on every save, as `weir build` does,
-        /// instead of live sources (a save that adds no import runs at once, with no build).
-        #[arg(long)]
-        rebuild: bool,
-    },
+    Dev(dev::Options),
     /// Make a handler's previous version current again; while a canary runs,
     /// end the canary instead (exit codes as for `deploy`).
     Rollback {
@@ -392,4 +293,99 @@ pub enum ScheduleCommand {
         #[arg(long)]
         config: PathBuf,
     },
+}
+
+/// `weir status`'s flags.
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    /// A node's TOML config: its `[cluster] database_url` in postgres mode,
+    /// else its `node.admin` (with its admin_token unless --token is given).
+    #[arg(long, required_unless_present = "admin")]
+    pub config: Option<PathBuf>,
+    /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable:
+    /// the nodes' views are merged, so static-mode clusters show whole).
+    #[arg(long)]
+    pub admin: Vec<String>,
+    /// The operator token of those listeners (or WEIR_TOKEN).
+    #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Print JSON (the same as `GET /v1/slots`) instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Redraw every SECONDS (default 2) until Ctrl-C.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
+    pub watch: Option<f64>,
+}
+
+impl StatusArgs {
+    /// What `weir status` is asked, `--watch` checked.
+    pub fn request(self) -> anyhow::Result<super::status::Request> {
+        let watch = self
+            .watch
+            .map(|seconds| {
+                std::time::Duration::try_from_secs_f64(seconds)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .context("--watch: a number of seconds above 0, e.g. --watch 2")
+            })
+            .transpose()?;
+        Ok(super::status::Request {
+            config: self.config,
+            admin: self.admin,
+            token: self.token,
+            json: self.json,
+            watch,
+        })
+    }
+}
+
+/// `weir call`'s flags.
+#[derive(clap::Args)]
+pub struct CallArgs {
+    /// The component (`.wasm`).
+    pub component: PathBuf,
+    /// The message type.
+    #[arg(long = "type")]
+    pub message_type: String,
+    /// The group id.
+    #[arg(long)]
+    pub group: Option<String>,
+    /// The tenant id.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// The payload: text, or `@FILE` for a file's bytes.
+    #[arg(long, conflicts_with = "each")]
+    pub payload: Option<String>,
+    /// One message per non-empty line of this file (JSONL), the line as its payload.
+    #[arg(long)]
+    pub each: Option<PathBuf>,
+    /// A header, `NAME=VALUE` (repeatable).
+    #[arg(long = "header", value_parser = call::pair)]
+    pub headers: Vec<(String, String)>,
+    /// A key of the handler's config table, `KEY=VALUE` (repeatable).
+    #[arg(long = "config", value_parser = call::pair)]
+    pub config: Vec<(String, String)>,
+    /// Deliver all the messages in one `handle-batch` call.
+    #[arg(long)]
+    pub batch: bool,
+    /// The call's timeout (limits.timeout), e.g. `2s`.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub timeout: Option<std::time::Duration>,
+}
+
+impl CallArgs {
+    /// What `weir call` is asked, its payloads read.
+    pub fn request(self) -> anyhow::Result<call::Request> {
+        Ok(call::Request {
+            payloads: call::payloads(self.payload.as_deref(), self.each.as_deref())?,
+            component: self.component,
+            message_type: self.message_type,
+            group: self.group,
+            tenant: self.tenant,
+            headers: self.headers,
+            config: self.config.into_iter().collect(),
+            batch: self.batch,
+            timeout: self.timeout,
+        })
+    }
 }

@@ -16,7 +16,7 @@ use tracing_subscriber::layer::Context;
 use weir::config::{self, Config};
 use weir::envelope::{self, Envelope};
 use weir::runtime::bindings::weir::handler::types::Failure;
-use weir::runtime::{BatchOutcome, CallOutcome, Executor, Outgoing, Runtime, RuntimeOptions};
+use weir::runtime::{BatchOutcome, CallOutcome, Executor, HandlerVersion, Outgoing, Runtime, RuntimeOptions};
 
 /// What `weir call` was asked.
 pub struct Request {
@@ -216,70 +216,89 @@ pub fn run(req: Request, log: &GuestLog) -> anyhow::Result<ExitCode> {
         })
         .collect();
     let mut exec = Executor::new(rt.clone());
+    let all_ok = if req.batch {
+        call_batch(&mut exec, &version, &messages, &req, log)
+    } else {
+        call_each(&mut exec, &version, &messages, log)
+    };
+    Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `weir call --batch`: every message in one `handle-batch` call; whether all answered ok.
+fn call_batch(
+    exec: &mut Executor,
+    version: &Arc<HandlerVersion>,
+    messages: &[Envelope],
+    req: &Request,
+    log: &GuestLog,
+) -> bool {
     let mut all_ok = true;
-    if req.batch {
+    println!(
+        "batch of {}  {}  group {}",
+        messages.len(),
+        req.message_type,
+        req.group.as_deref().unwrap_or("-")
+    );
+    let started = Instant::now();
+    let outcome = exec.call_batch(version, messages, &None);
+    let took = started.elapsed();
+    print_logs(log);
+    match outcome {
+        BatchOutcome::Done {
+            results,
+            published,
+            unattributed,
+        } => {
+            for (i, (m, r)) in messages.iter().zip(&results).enumerate() {
+                println!("member {}  {}", i + 1, m.id);
+                if let Some(p) = published.get(i) {
+                    print_cascades(p);
+                }
+                all_ok &= print_outcome(r, took);
+            }
+            if !unattributed.is_empty() {
+                println!("whole batch (published before any begin-member):");
+                print_cascades(&unattributed);
+            }
+        }
+        BatchOutcome::Fault(f) => {
+            println!(
+                "  outcome  fault (a node retries every member, one by one): {f}  ({:.2} ms)",
+                took.as_secs_f64() * 1e3
+            );
+            all_ok = false;
+        }
+    }
+    all_ok
+}
+
+/// `weir call`: each message in a call of its own; whether all answered ok.
+fn call_each(exec: &mut Executor, version: &Arc<HandlerVersion>, messages: &[Envelope], log: &GuestLog) -> bool {
+    let mut all_ok = true;
+    for m in messages {
         println!(
-            "batch of {}  {}  group {}",
-            messages.len(),
-            req.message_type,
-            req.group.as_deref().unwrap_or("-")
+            "message {}  {}  group {}",
+            m.id,
+            m.message_type,
+            m.group_id.as_deref().unwrap_or("-")
         );
         let started = Instant::now();
-        let outcome = exec.call_batch(&version, &messages, &None);
+        let outcome = exec.call(version, m, &None);
         let took = started.elapsed();
         print_logs(log);
         match outcome {
-            BatchOutcome::Done {
-                results,
-                published,
-                unattributed,
-            } => {
-                for (i, (m, r)) in messages.iter().zip(&results).enumerate() {
-                    println!("member {}  {}", i + 1, m.id);
-                    if let Some(p) = published.get(i) {
-                        print_cascades(p);
-                    }
-                    all_ok &= print_outcome(r, took);
-                }
-                if !unattributed.is_empty() {
-                    println!("whole batch (published before any begin-member):");
-                    print_cascades(&unattributed);
-                }
+            CallOutcome::Done { result, published } => {
+                print_cascades(&published);
+                all_ok &= print_outcome(&result, took);
             }
-            BatchOutcome::Fault(f) => {
+            CallOutcome::Fault(f) => {
                 println!(
-                    "  outcome  fault (a node retries every member, one by one): {f}  ({:.2} ms)",
+                    "  outcome  fault (a node retries it): {f}  ({:.2} ms)",
                     took.as_secs_f64() * 1e3
                 );
                 all_ok = false;
             }
         }
-    } else {
-        for m in &messages {
-            println!(
-                "message {}  {}  group {}",
-                m.id,
-                m.message_type,
-                m.group_id.as_deref().unwrap_or("-")
-            );
-            let started = Instant::now();
-            let outcome = exec.call(&version, m, &None);
-            let took = started.elapsed();
-            print_logs(log);
-            match outcome {
-                CallOutcome::Done { result, published } => {
-                    print_cascades(&published);
-                    all_ok &= print_outcome(&result, took);
-                }
-                CallOutcome::Fault(f) => {
-                    println!(
-                        "  outcome  fault (a node retries it): {f}  ({:.2} ms)",
-                        took.as_secs_f64() * 1e3
-                    );
-                    all_ok = false;
-                }
-            }
-        }
     }
-    Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    all_ok
 }

@@ -16,10 +16,20 @@ use weir::registry::shared::Shared;
 use crate::cli::status::{get_json, shared_store};
 
 /// What `weir handlers` was asked.
+#[derive(clap::Args)]
 pub struct Request {
+    /// A node's TOML config: its node.admin (with its admin_token unless
+    /// --token is given), else in postgres or nats-kv mode its store.
+    #[arg(long, required_unless_present = "admin")]
     pub config: Option<PathBuf>,
+    /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
+    #[arg(long)]
     pub admin: Vec<String>,
+    /// The token of those listeners (or WEIR_TOKEN); a tenant's token sees its handlers.
+    #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -14,13 +14,27 @@ use weir::observe::logring::{Line, Source};
 use crate::cli::status::get_json;
 
 /// What `weir logs` was asked.
+#[derive(clap::Args)]
 pub struct Request {
+    /// The handler's name.
     pub handler: String,
+    /// A node's TOML config: its node.admin, with its admin_token unless --token is given.
+    #[arg(long, required_unless_present = "admin")]
     pub config: Option<PathBuf>,
+    /// A node's admin listener, e.g. `http://127.0.0.1:9464` (repeatable).
+    #[arg(long)]
     pub admin: Vec<String>,
+    /// The token of those listeners (or WEIR_TOKEN); a tenant's token sees its own handlers.
+    #[arg(long, env = "WEIR_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Keep printing new lines as they come, until Ctrl-C.
+    #[arg(long, short = 'f')]
     pub follow: bool,
-    pub limit: usize,
+    /// Lines per node, newest last (1 to 1000).
+    #[arg(long, short = 'n', default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub limit: u16,
+    /// One JSON object a line, each with its node.
+    #[arg(long)]
     pub json: bool,
 }
 

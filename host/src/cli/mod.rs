@@ -35,22 +35,7 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Run the command `cli` names.
 pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Demo { groups, per_group } => {
-            let opts = DemoOptions {
-                groups,
-                per_group,
-                ..DemoOptions::default()
-            };
-            let summary = runtime()?.block_on(demo::run(opts))?;
-            println!("{summary}");
-            if summary.ok() {
-                println!("OK: nothing lost, no intra-group overlap.");
-                Ok(ExitCode::SUCCESS)
-            } else {
-                println!("FAILED: see the lost / overlap / dead-letter lines above.");
-                Ok(ExitCode::FAILURE)
-            }
-        }
+        Command::Demo { groups, per_group } => demo(groups, per_group),
         Command::Run { config } => run::run(&config),
         Command::Publish {
             config,
@@ -60,27 +45,17 @@ pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode
             count,
             payload,
             topology,
-        } => {
-            let cfg = config::load(&config)?;
-            if cfg.transport.kind == config::TransportKind::Memory {
-                anyhow::bail!("{}", publish::memory_refusal(&cfg));
-            }
-            let payload = match payload.strip_prefix('@') {
-                Some(file) => std::fs::read(file).with_context(|| format!("--payload @{file}: cannot read {file}"))?,
-                None => payload.into_bytes(),
-            };
-            let req = publish::Request {
+        } => publish(
+            &config,
+            publish::Request {
                 message_type,
                 group,
                 tenant,
                 count,
-                payload,
+                payload: payload.into_bytes(),
                 topology,
-            };
-            let summary = runtime()?.block_on(publish::run(&cfg, req))?;
-            println!("{summary}");
-            Ok(ExitCode::SUCCESS)
-        }
+            },
+        ),
         Command::Schedule {
             command: ScheduleCommand::Check { config },
         } => schedule::check(&config),
@@ -107,46 +82,13 @@ pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode
             deploy::promote(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Call {
-            component,
-            message_type,
-            group,
-            tenant,
-            payload,
-            each,
-            headers,
-            config,
-            batch,
-            timeout,
-        } => {
-            let req = call::Request {
-                component,
-                message_type,
-                group,
-                tenant,
-                headers,
-                payloads: call::payloads(payload.as_deref(), each.as_deref())?,
-                config: config.into_iter().collect(),
-                batch,
-                timeout,
-            };
-            call::run(req, guest_log)
-        }
+        Command::Call(args) => call::run(args.request()?, guest_log),
         Command::New { lang, name, dir, list } => {
             match (lang, name) {
                 (Some(lang), Some(name)) if !list => {
                     scaffold::new(lang, &name, &dir)?;
                 }
-                _ => {
-                    use clap::ValueEnum as _;
-                    println!("templates (weir new LANG NAME):");
-                    for lang in scaffold::Lang::value_variants() {
-                        let help = lang
-                            .to_possible_value()
-                            .and_then(|v| v.get_help().map(ToString::to_string));
-                        println!("  {:<8} {}", lang.as_str(), help.unwrap_or_default());
-                    }
-                }
+                _ => list_templates(),
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -154,19 +96,7 @@ pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode
             scaffold::build(&dir, offline)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Dev {
-            dir,
-            admin,
-            types,
-            offline,
-            rebuild,
-        } => dev::run(dev::Options {
-            dir,
-            admin,
-            types,
-            offline,
-            rebuild,
-        }),
+        Command::Dev(options) => dev::run(options),
         Command::DeadLetters { command } => dead_letters::run(command),
         Command::Groups { command } => match command {
             GroupsCommand::List { admin, token, json } => groups::list(&admin, token.as_deref(), json),
@@ -181,53 +111,53 @@ pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode
             deploy::rollback(&target.as_target())?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Handlers {
-            config,
-            admin,
-            token,
-            json,
-        } => handlers::run(handlers::Request {
-            config,
-            admin,
-            token,
-            json,
-        }),
-        Command::Logs {
-            handler,
-            config,
-            admin,
-            token,
-            follow,
-            limit,
-            json,
-        } => logs::run(logs::Request {
-            handler,
-            config,
-            admin,
-            token,
-            follow,
-            limit: usize::from(limit),
-            json,
-        }),
-        Command::Status {
-            config,
-            admin,
-            token,
-            json,
-            watch,
-        } => status::run(status::Request {
-            config,
-            admin,
-            token,
-            json,
-            watch: watch
-                .map(|w| {
-                    std::time::Duration::try_from_secs_f64(w)
-                        .ok()
-                        .filter(|d| !d.is_zero())
-                        .context("--watch: a number of seconds above 0, e.g. --watch 2")
-                })
-                .transpose()?,
-        }),
+        Command::Handlers(req) => handlers::run(req),
+        Command::Logs(req) => logs::run(req),
+        Command::Status(args) => status::run(args.request()?),
+    }
+}
+
+/// `weir demo`: the run, its summary, and whether it held.
+fn demo(groups: u32, per_group: u32) -> anyhow::Result<ExitCode> {
+    let opts = DemoOptions {
+        groups,
+        per_group,
+        ..DemoOptions::default()
+    };
+    let summary = runtime()?.block_on(demo::run(opts))?;
+    println!("{summary}");
+    if summary.ok() {
+        println!("OK: nothing lost, no intra-group overlap.");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("FAILED: see the lost / overlap / dead-letter lines above.");
+        Ok(ExitCode::FAILURE)
+    }
+}
+
+/// `weir publish`: `req`'s payload is its text, or with a leading `@` the file it names.
+fn publish(config: &std::path::Path, mut req: publish::Request) -> anyhow::Result<ExitCode> {
+    let cfg = config::load(config)?;
+    if cfg.transport.kind == config::TransportKind::Memory {
+        anyhow::bail!("{}", publish::memory_refusal(&cfg));
+    }
+    if let Some(file) = req.payload.strip_prefix(b"@") {
+        let file = String::from_utf8_lossy(file).into_owned();
+        req.payload = std::fs::read(&file).with_context(|| format!("--payload @{file}: cannot read {file}"))?;
+    }
+    let summary = runtime()?.block_on(publish::run(&cfg, req))?;
+    println!("{summary}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `weir new --list`: the templates.
+fn list_templates() {
+    use clap::ValueEnum as _;
+    println!("templates (weir new LANG NAME):");
+    for lang in scaffold::Lang::value_variants() {
+        let help = lang
+            .to_possible_value()
+            .and_then(|v| v.get_help().map(ToString::to_string));
+        println!("  {:<8} {}", lang.as_str(), help.unwrap_or_default());
     }
 }

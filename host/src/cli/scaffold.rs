@@ -220,6 +220,46 @@ fn setting(value: Option<Option<&str>>, file: &Path, key: &str, default: &str) -
     }
 }
 
+/// A Python project in `pyproject`, if its `[tool.weir]` table makes it one.
+fn detect_python(pyproject: &Path) -> anyhow::Result<Option<Project>> {
+    let doc: toml::Table = read(pyproject)?
+        .parse()
+        .with_context(|| format!("{} is not valid TOML", pyproject.display()))?;
+    if let Some(weir) = doc.get("tool").and_then(|t| t.get("weir")) {
+        let weir = weir
+            .as_table()
+            .with_context(|| format!("{}: [tool.weir] must be a table", pyproject.display()))?;
+        if let Some(key) = weir.keys().find(|k| !["module", "wit", "world"].contains(&k.as_str())) {
+            bail!(
+                "{}: [tool.weir] has an unknown key `{key}` (known: module, wit, world)",
+                pyproject.display()
+            );
+        }
+        let get = |key: &str, default: &str| {
+            setting(
+                weir.get(key).map(|v| v.as_str()),
+                pyproject,
+                &format!("tool.weir.{key}"),
+                default,
+            )
+        };
+        let name = doc
+            .get("project")
+            .and_then(|p| p.get("name"))
+            .and_then(|n| n.as_str())
+            .with_context(|| format!("{} has no [project] name", pyproject.display()))?;
+        check_name(name).with_context(|| format!("{}: [project] name", pyproject.display()))?;
+        return Ok(Some(Project {
+            lang: Lang::Python,
+            name: name.to_owned(),
+            entry: get("module", "app")?,
+            wit: get("wit", "wit")?,
+            world: get("world", "handler")?,
+        }));
+    }
+    Ok(None)
+}
+
 /// What kind of project `dir` is: the first of `Cargo.toml`, `pyproject.toml`
 /// with `[tool.weir]`, `package.json` with `"weir"`.
 pub fn detect(dir: &Path) -> anyhow::Result<Project> {
@@ -244,40 +284,8 @@ pub fn detect(dir: &Path) -> anyhow::Result<Project> {
     let mut unmarked = Vec::new();
     let pyproject = dir.join("pyproject.toml");
     if pyproject.is_file() {
-        let doc: toml::Table = read(&pyproject)?
-            .parse()
-            .with_context(|| format!("{} is not valid TOML", pyproject.display()))?;
-        if let Some(weir) = doc.get("tool").and_then(|t| t.get("weir")) {
-            let weir = weir
-                .as_table()
-                .with_context(|| format!("{}: [tool.weir] must be a table", pyproject.display()))?;
-            if let Some(key) = weir.keys().find(|k| !["module", "wit", "world"].contains(&k.as_str())) {
-                bail!(
-                    "{}: [tool.weir] has an unknown key `{key}` (known: module, wit, world)",
-                    pyproject.display()
-                );
-            }
-            let get = |key: &str, default: &str| {
-                setting(
-                    weir.get(key).map(|v| v.as_str()),
-                    &pyproject,
-                    &format!("tool.weir.{key}"),
-                    default,
-                )
-            };
-            let name = doc
-                .get("project")
-                .and_then(|p| p.get("name"))
-                .and_then(|n| n.as_str())
-                .with_context(|| format!("{} has no [project] name", pyproject.display()))?;
-            check_name(name).with_context(|| format!("{}: [project] name", pyproject.display()))?;
-            return Ok(Project {
-                lang: Lang::Python,
-                name: name.to_owned(),
-                entry: get("module", "app")?,
-                wit: get("wit", "wit")?,
-                world: get("world", "handler")?,
-            });
+        if let Some(project) = detect_python(&pyproject)? {
+            return Ok(project);
         }
         unmarked.push("pyproject.toml has no [tool.weir] table");
     }

@@ -235,83 +235,97 @@ fn read(req: &Request) -> anyhow::Result<View> {
         let versions = versions_from_admin(std::slice::from_ref(&admin), token.as_deref());
         return Ok((status, canaries, versions));
     }
-    crate::cli::runtime()?.block_on(async {
-        let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
-            let kv = nats_kv::NatsKv::open(
-                &cfg.transport.urls(),
-                "weir status",
-                cfg.cluster.bucket(),
-                cfg.transport.replicas(),
+    crate::cli::runtime()?.block_on(from_store(&cfg))
+}
+
+/// The view of a `postgres` or `nats-kv` cluster: its record, the broker's backlog per slot,
+/// and the handlers' versions and canaries from the store.
+async fn from_store(cfg: &config::Config) -> anyhow::Result<View> {
+    let mut status = if cfg.cluster.mode == ClusterMode::NatsKv {
+        let kv = nats_kv::NatsKv::open(
+            &cfg.transport.urls(),
+            "weir status",
+            cfg.cluster.bucket(),
+            cfg.transport.replicas(),
+        )
+        .await
+        .with_context(|| {
+            format!(
+                "{}: cluster.bucket {:?} on transport.url",
+                cfg.origin,
+                cfg.cluster.bucket()
             )
+        })?;
+        nats_kv::status(&kv, cfg.cluster.lease).await?
+    } else {
+        let url = cfg.cluster.database_url.clone().unwrap_or_default();
+        let pool = postgres::connect(&url)
             .await
-            .with_context(|| {
-                format!(
-                    "{}: cluster.bucket {:?} on transport.url",
-                    cfg.origin,
-                    cfg.cluster.bucket()
-                )
-            })?;
-            nats_kv::status(&kv, cfg.cluster.lease).await?
-        } else {
-            let url = cfg.cluster.database_url.clone().unwrap_or_default();
-            let pool = postgres::connect(&url)
-                .await
-                .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
-            postgres::status::status(&pool).await?
-        };
-        let versions = shared_store(&cfg).await?;
-        // Lag and consumers per slot from the broker; a broker that cannot answer leaves them unknown.
-        let transport = weir::transport::connect::for_config(&cfg)?;
-        for s in &mut status.slots {
-            let (lag, consumers) = tokio::join!(
-                transport.backlog(&s.topology, s.slot),
-                transport.consumers(&s.topology, s.slot)
-            );
-            match (lag, consumers) {
-                (Ok(lag), Ok(consumers)) => {
-                    s.lag = lag;
-                    s.consumers = consumers;
-                }
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "cannot read the slot's backlog");
-                    break;
-                }
+            .with_context(|| format!("{}: cluster.database_url", cfg.origin))?;
+        postgres::status::status(&pool).await?
+    };
+    let versions = shared_store(cfg).await?;
+    slot_backlogs(cfg, &mut status).await?;
+    let (mut canaries, mut running) = (Vec::new(), Vec::new());
+    if let Some(versions) = versions {
+        match handlers::from_store(versions.as_ref(), cfg).await {
+            Ok(rows) => running = handlers::merge(vec![("the store".to_owned(), rows)]),
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the handlers' versions"),
+        }
+        canaries = canaries_in_store(cfg, versions.as_ref()).await?;
+    }
+    Ok((status, canaries, running))
+}
+
+/// Lag and consumers per slot from the broker; a broker that cannot answer leaves them unknown.
+async fn slot_backlogs(cfg: &config::Config, status: &mut Status) -> anyhow::Result<()> {
+    let transport = weir::transport::connect::for_config(cfg)?;
+    for s in &mut status.slots {
+        let (lag, consumers) = tokio::join!(
+            transport.backlog(&s.topology, s.slot),
+            transport.consumers(&s.topology, s.slot)
+        );
+        match (lag, consumers) {
+            (Ok(lag), Ok(consumers)) => {
+                s.lag = lag;
+                s.consumers = consumers;
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!(topology = %s.topology, slot = s.slot, error = %e, "cannot read the slot's backlog");
+                break;
             }
         }
-        // The running canaries and the cluster's comparison, from the store.
-        let handlers: Vec<(String, u32)> = cfg
-            .handler
-            .iter()
-            .map(|h| {
-                let slots = cfg
-                    .topology
-                    .iter()
-                    .find(|t| t.name == h.topology)
-                    .map_or(1, |t| t.slots);
-                (h.name.clone(), slots)
-            })
-            .collect();
-        let mut canaries = Vec::new();
-        let mut running = Vec::new();
-        if let Some(versions) = versions {
-            match handlers::from_store(versions.as_ref(), &cfg).await {
-                Ok(rows) => running = handlers::merge(vec![("the store".to_owned(), rows)]),
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the handlers' versions"),
-            }
-            match canary::in_store(versions.as_ref(), &handlers).await {
-                Ok(list) => {
-                    for (handler, view) in list {
-                        canaries.push(Canary {
-                            handler,
-                            canary: serde_json::to_value(view)?,
-                        });
-                    }
-                }
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the running canaries"),
+    }
+    Ok(())
+}
+
+/// The running canaries and the cluster's comparison, from the store.
+async fn canaries_in_store(cfg: &config::Config, versions: &dyn Shared) -> anyhow::Result<Vec<Canary>> {
+    let handlers: Vec<(String, u32)> = cfg
+        .handler
+        .iter()
+        .map(|h| {
+            let slots = cfg
+                .topology
+                .iter()
+                .find(|t| t.name == h.topology)
+                .map_or(1, |t| t.slots);
+            (h.name.clone(), slots)
+        })
+        .collect();
+    let mut canaries = Vec::new();
+    match canary::in_store(versions, &handlers).await {
+        Ok(list) => {
+            for (handler, view) in list {
+                canaries.push(Canary {
+                    handler,
+                    canary: serde_json::to_value(view)?,
+                });
             }
         }
-        anyhow::Ok((status, canaries, running))
-    })
+        Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot read the running canaries"),
+    }
+    Ok(canaries)
 }
 
 /// The store of handler versions of a `postgres` or `nats-kv` cluster

@@ -116,57 +116,62 @@ pub(super) async fn redrive(
     if common.json {
         outln!(o, "{}", serde_json::to_string_pretty(&report)?);
     } else {
-        let n = report.letters.len();
-        let pinned = report
-            .pinned
-            .as_deref()
-            .map(|p| format!(", pinned to version {p}"))
-            .unwrap_or_default();
-        if report.dry_run {
-            outln!(
-                o,
-                "dry run: would redrive {n} of {} dead letter(s) of topology `{}` on {} ({} group(s)){pinned}, in this order:",
-                report.read,
-                report.topology,
-                t.transport.system(),
-                report.groups
-            );
-        } else {
-            outln!(
-                o,
-                "redrove {} of {n} selected dead letter(s) of topology `{}` on {} ({} group(s)){pinned}; each was \
-                 re-published to its slot (confirmed) before it was removed",
-                report.moved,
-                report.topology,
-                t.transport.system(),
-                report.groups
-            );
-        }
-        if report.dry_run {
-            for m in &report.letters {
-                outln!(
-                    o,
-                    "  #{:<5} {}  group {}  tenant {}  type {}  {}  -> slot {}",
-                    m.position,
-                    cell(m.message_id.as_deref()),
-                    cell(m.group.as_deref()),
-                    cell(m.tenant.as_deref()),
-                    cell(m.message_type.as_deref()),
-                    cell(m.reason.as_deref()),
-                    m.slot
-                );
-            }
-            outln!(o, "nothing was sent or removed");
-        }
-        if let Some(why) = &report.stopped {
-            outln!(o, "stopped: {why}");
-        }
+        redrive_text(&mut o, &report, t.transport.system());
     }
     emit(&o);
     Ok(match report.stopped {
         Some(_) => ExitCode::FAILURE,
         None => ExitCode::SUCCESS,
     })
+}
+
+/// What `weir dead-letters redrive` says of `report`, for people.
+fn redrive_text(o: &mut String, report: &deadletter::RedriveReport, system: &str) {
+    let n = report.letters.len();
+    let pinned = report
+        .pinned
+        .as_deref()
+        .map(|p| format!(", pinned to version {p}"))
+        .unwrap_or_default();
+    if report.dry_run {
+        outln!(
+            *o,
+            "dry run: would redrive {n} of {} dead letter(s) of topology `{}` on {} ({} group(s)){pinned}, in this order:",
+            report.read,
+            report.topology,
+            system,
+            report.groups
+        );
+    } else {
+        outln!(
+            *o,
+            "redrove {} of {n} selected dead letter(s) of topology `{}` on {} ({} group(s)){pinned}; each was \
+             re-published to its slot (confirmed) before it was removed",
+            report.moved,
+            report.topology,
+            system,
+            report.groups
+        );
+    }
+    if report.dry_run {
+        for m in &report.letters {
+            outln!(
+                *o,
+                "  #{:<5} {}  group {}  tenant {}  type {}  {}  -> slot {}",
+                m.position,
+                cell(m.message_id.as_deref()),
+                cell(m.group.as_deref()),
+                cell(m.tenant.as_deref()),
+                cell(m.message_type.as_deref()),
+                cell(m.reason.as_deref()),
+                m.slot
+            );
+        }
+        outln!(*o, "nothing was sent or removed");
+    }
+    if let Some(why) = &report.stopped {
+        outln!(*o, "stopped: {why}");
+    }
 }
 
 pub(super) async fn purge(common: &Common, filter: Filter, dry_run: bool) -> anyhow::Result<ExitCode> {

@@ -34,16 +34,23 @@ use watch::{Project, Rebuild, rebuild_loop, watch};
 pub const CONFIG_FILE: &str = "weir.toml";
 
 /// What `weir dev` was asked.
+#[derive(clap::Args)]
 pub struct Options {
     /// The project directory.
+    #[arg(long, default_value = ".")]
     pub dir: PathBuf,
-    /// The admin listener's address (default: the config's, else 127.0.0.1:9464).
-    pub admin: Option<SocketAddr>,
-    /// Message types the handler takes, when the project has no `weir.toml`.
+    /// The admin listener's address (default: weir.toml's node.admin, else 127.0.0.1:9464).
+    #[arg(long)]
+    pub admin: Option<std::net::SocketAddr>,
+    /// A message type the handler takes (repeatable), for a project without weir.toml.
+    #[arg(long = "type")]
     pub types: Vec<String>,
-    /// Build with crates already downloaded only.
+    /// Build with crates already downloaded only (cargo --offline).
+    #[arg(long)]
     pub offline: bool,
-    /// Python and JavaScript: a build and a deploy on every save instead of live sources.
+    /// Python and JavaScript: build and deploy on every save, as `weir build` does,
+    /// instead of live sources (a save that adds no import runs at once, with no build).
+    #[arg(long)]
     pub rebuild: bool,
 }
 
@@ -120,9 +127,10 @@ fn project_handler<'a>(cfg: &'a Config, wasm: &Path) -> anyhow::Result<&'a confi
     }
 }
 
-/// Run the loop until Ctrl-C.
-pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
-    let detected = scaffold::detect(&opts.dir)?;
+/// The first build: `weir dev`'s own live component and its signature, unless the project
+/// cannot run live sources; and the component the project's config names (built here unless
+/// the sources are live: then the config's entry is pointed at the live one).
+fn first_build(opts: &Options, detected: &scaffold::Project) -> anyhow::Result<(Option<(PathBuf, String)>, PathBuf)> {
     let live_blocked = if opts.rebuild {
         Some("--rebuild".to_owned())
     } else {
@@ -133,21 +141,35 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
     {
         println!("weir dev: each save is built: {why}");
     }
-    let live = if live_blocked.is_none() {
-        Some(
-            scaffold::live::build(&opts.dir, opts.offline)
-                .with_context(|| format!("building {} before starting its node", opts.dir.display()))?,
-        )
-    } else {
-        None
-    };
-    // The component the project's config names: built here, unless the sources are live
-    // (then the config's entry is pointed at weir dev's own component below).
-    let wasm = match &live {
-        Some(_) => opts.dir.join(format!("{}.wasm", detected.name)),
-        None => scaffold::build(&opts.dir, opts.offline)
-            .with_context(|| format!("building {} before starting its node", opts.dir.display()))?,
-    };
+    let building = || format!("building {} before starting its node", opts.dir.display());
+    if live_blocked.is_some() {
+        let wasm = scaffold::build(&opts.dir, opts.offline).with_context(building)?;
+        return Ok((None, wasm));
+    }
+    let live = scaffold::live::build(&opts.dir, opts.offline).with_context(building)?;
+    Ok((Some(live), opts.dir.join(format!("{}.wasm", detected.name))))
+}
+
+/// Point the config's entry of `handler` at the live `component`, with the sources mounted.
+fn point_at_live(cfg: &mut Config, handler: &str, component: &Path, dir: &Path) -> anyhow::Result<config::Handler> {
+    let entry = cfg
+        .handler
+        .iter_mut()
+        .find(|h| h.name == handler)
+        .context("the project's handler is in the config")?;
+    entry.component = component.to_owned();
+    entry.wasi.preopens.push(config::Preopen {
+        host: scaffold::live::mount(dir)?,
+        guest: scaffold::live::GUEST_DIR.to_owned(),
+        read_only: true,
+    });
+    Ok(entry.clone())
+}
+
+/// Run the loop until Ctrl-C.
+pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
+    let detected = scaffold::detect(&opts.dir)?;
+    let (live, wasm) = first_build(&opts, &detected)?;
     let project = Project {
         lang: detected.lang,
         dir: opts.dir.canonicalize().unwrap_or_else(|_| opts.dir.clone()),
@@ -156,28 +178,15 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
     let (mut cfg, token) = dev_config(&opts, &project.name, &wasm)?;
     let mut handler = project_handler(&cfg, &wasm)?.clone();
     if let Some((component, _)) = &live {
-        let entry = cfg
-            .handler
-            .iter_mut()
-            .find(|h| h.name == handler.name)
-            .context("the project's handler is in the config")?;
-        entry.component = component.clone();
-        entry.wasi.preopens.push(config::Preopen {
-            host: scaffold::live::mount(&opts.dir)?,
-            guest: scaffold::live::GUEST_DIR.to_owned(),
-            read_only: true,
-        });
-        handler = entry.clone();
+        handler = point_at_live(&mut cfg, &handler.name, component, &opts.dir)?;
     }
     let admin = cfg.node.admin.map(|a| format!("http://{a}")).unwrap_or_default();
     let printer = Arc::new(Printer::default());
-    let broker = Arc::new(MemoryBroker::new());
     let transport: Arc<dyn Transport> = Arc::new(DevTransport {
-        inner: broker,
+        inner: Arc::new(MemoryBroker::new()),
         printer: printer.clone(),
     });
-    let rt = crate::cli::runtime()?;
-    rt.block_on(async {
+    crate::cli::runtime()?.block_on(async {
         let node = Node::start(
             &cfg,
             transport,
@@ -193,26 +202,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
         )
         .await
         .with_context(|| format!("starting the dev node of `{}`", project.name))?;
-        let topology = handler.topology.clone();
-        let example_type = handler.message_types.first().cloned().unwrap_or_else(|| "TYPE".into());
-        println!(
-            "weir dev: `{}` runs on a node of its own (memory broker, topology `{topology}`, types {:?})",
-            handler.name, handler.message_types
-        );
-        println!("  admin    {admin}   (token {token})");
-        println!("  publish  type a line: {example_type} [group=G] [tenant=T] PAYLOAD   (or a JSON object)");
-        println!(
-            "           or: curl -H 'Authorization: Bearer {token}' -d '{{\"type\":\"{example_type}\",\"payload\":{{}}}}' {admin}/v1/topologies/{topology}/messages"
-        );
-        println!(
-            "  watching {} for changes: {}; Ctrl-C stops",
-            project.watched_label(),
-            if live.is_some() {
-                "a save runs at once (live sources); a new import, the WIT or the project file rebuilds"
-            } else {
-                "each is rebuilt and deployed"
-            }
-        );
+        print::banner(&handler, &admin, &token, &project.watched_label(), live.is_some());
         let (changed_tx, changed_rx) = tokio::sync::mpsc::channel::<()>(1);
         let _watcher = watch(&project, changed_tx)?;
         let builder = tokio::spawn(rebuild_loop(
@@ -226,62 +216,7 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
                 live: live.map(|(_, signature)| signature),
             },
         ));
-        // Registered once, before the loop: a Ctrl-C while a line is being
-        // published is kept for the next turn, not lost.
-        let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-            .context("installing the SIGINT handler")?;
-        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .context("installing the SIGTERM handler")?;
-        // Lines are read on a thread of their own, never joined: tokio's
-        // stdin would hold the runtime's shutdown until the next Enter.
-        let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(16);
-        std::thread::spawn(move || {
-            use std::io::BufRead as _;
-            for line in std::io::stdin().lock().lines() {
-                let line = match line {
-                    Ok(line) => line,
-                    Err(e) => {
-                        println!("weir dev: the terminal cannot be read ({e}); publish through the admin listener");
-                        break;
-                    }
-                };
-                if line_tx.blocking_send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut stdin_open = true;
-        let mut n = 0u64;
-        loop {
-            tokio::select! {
-                _ = interrupt.recv() => break,
-                _ = terminate.recv() => break,
-                line = lines.recv(), if stdin_open => match line {
-                    Some(line) => {
-                        let line = line.trim();
-                        if line.is_empty() {
-                            continue;
-                        }
-                        if matches!(line, "help" | "?") {
-                            print_help(&example_type);
-                            continue;
-                        }
-                        n += 1;
-                        match typed_message(line, &mut || format!("dev-{n}")) {
-                            Ok(messages) => {
-                                for m in messages {
-                                    if let Err(e) = node.publish(&topology, &m).await {
-                                        println!("not published: {e}");
-                                    }
-                                }
-                            }
-                            Err(e) => println!("not published: {e} (type `help` for the syntax)"),
-                        }
-                    }
-                    None => stdin_open = false,
-                },
-            }
-        }
+        publish_typed_lines(&node, &handler).await?;
         println!("weir dev: stopping (draining the node) …");
         builder.abort();
         let _ = builder.await;
@@ -289,6 +224,73 @@ pub fn run(opts: Options) -> anyhow::Result<ExitCode> {
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Publish each line typed to `handler`'s topology, until Ctrl-C (or SIGTERM).
+async fn publish_typed_lines(node: &Node, handler: &config::Handler) -> anyhow::Result<()> {
+    let topology = &handler.topology;
+    let example_type = handler.message_types.first().cloned().unwrap_or_else(|| "TYPE".into());
+    // Registered once, before the loop: a Ctrl-C while a line is being
+    // published is kept for the next turn, not lost.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("installing the SIGINT handler")?;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    let mut lines = read_terminal();
+    let mut stdin_open = true;
+    let mut n = 0u64;
+    loop {
+        tokio::select! {
+            _ = interrupt.recv() => return Ok(()),
+            _ = terminate.recv() => return Ok(()),
+            line = lines.recv(), if stdin_open => match line {
+                Some(line) => {
+                    let line = line.trim();
+                    if line.is_empty() {
+                        continue;
+                    }
+                    if matches!(line, "help" | "?") {
+                        print_help(&example_type);
+                        continue;
+                    }
+                    n += 1;
+                    match typed_message(line, &mut || format!("dev-{n}")) {
+                        Ok(messages) => {
+                            for m in messages {
+                                if let Err(e) = node.publish(topology, &m).await {
+                                    println!("not published: {e}");
+                                }
+                            }
+                        }
+                        Err(e) => println!("not published: {e} (type `help` for the syntax)"),
+                    }
+                }
+                None => stdin_open = false,
+            },
+        }
+    }
+}
+
+/// The terminal's lines, read on a thread of their own, never joined: tokio's stdin would
+/// hold the runtime's shutdown until the next Enter.
+fn read_terminal() -> tokio::sync::mpsc::Receiver<String> {
+    let (line_tx, lines) = tokio::sync::mpsc::channel::<String>(16);
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::stdin().lock().lines() {
+            let line = match line {
+                Ok(line) => line,
+                Err(e) => {
+                    println!("weir dev: the terminal cannot be read ({e}); publish through the admin listener");
+                    break;
+                }
+            };
+            if line_tx.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
 }
 
 fn print_help(example_type: &str) {

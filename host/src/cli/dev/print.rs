@@ -218,3 +218,26 @@ impl Transport for DevTransport {
         Transport::dead_letters(self.inner.as_ref())
     }
 }
+
+/// What `weir dev` says once its node runs: where it is, how to publish, what it watches.
+pub(super) fn banner(handler: &weir::config::Handler, admin: &str, token: &str, watched: &str, live: bool) {
+    let topology = &handler.topology;
+    let example_type = handler.message_types.first().map_or("TYPE", String::as_str);
+    println!(
+        "weir dev: `{}` runs on a node of its own (memory broker, topology `{topology}`, types {:?})",
+        handler.name, handler.message_types
+    );
+    println!("  admin    {admin}   (token {token})");
+    println!("  publish  type a line: {example_type} [group=G] [tenant=T] PAYLOAD   (or a JSON object)");
+    println!(
+        "           or: curl -H 'Authorization: Bearer {token}' -d '{{\"type\":\"{example_type}\",\"payload\":{{}}}}' {admin}/v1/topologies/{topology}/messages"
+    );
+    println!(
+        "  watching {watched} for changes: {}; Ctrl-C stops",
+        if live {
+            "a save runs at once (live sources); a new import, the WIT or the project file rebuilds"
+        } else {
+            "each is rebuilt and deployed"
+        }
+    );
+}
