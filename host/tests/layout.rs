@@ -620,3 +620,43 @@ fn main_rs_parses_and_hands_the_command_to_cli() {
     assert!(main_shape(grown).is_err());
     assert!(main_shape("mod cli;\nfn main() {}\nfn drain() {}\n").is_err());
 }
+
+/// A file's lines of code that is not its tests': those before its `#[cfg(test)]` module.
+fn code_lines(source: &str) -> usize {
+    source.lines().take_while(|l| !l.starts_with("#[cfg(test)]")).count()
+}
+
+/// Issue 35: rooms stop growing back. A file of `host/src` (the library and the command line)
+/// over 600 lines of non-test code is split by concern; `tests.rs` files are tests.
+#[test]
+fn no_source_file_passes_600_lines_of_code() {
+    let mut over = Vec::new();
+    let mut seen = 0;
+    let mut todo = vec![src_dir()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") && !path.ends_with("tests.rs") {
+                seen += 1;
+                let n = code_lines(&std::fs::read_to_string(&path).unwrap());
+                if n > 600 {
+                    over.push(format!("{} ({n})", path.strip_prefix(src_dir()).unwrap().display()));
+                }
+            }
+        }
+    }
+    assert!(
+        seen > 100,
+        "only {seen} source files found under {}",
+        src_dir().display()
+    );
+    assert!(
+        over.is_empty(),
+        "files over 600 lines of non-test code; split them by concern: {over:?}"
+    );
+    // Negative control: a file that grew, with its tests after it.
+    let grown = format!("{}#[cfg(test)]\nmod tests {{\n}}\n", "fn f() {}\n".repeat(601));
+    assert_eq!(code_lines(&grown), 601);
+}
