@@ -6,11 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 
-use weir::demo::{self, DemoOptions};
-
 pub mod args;
 pub mod call;
 pub mod dead_letters;
+pub mod demo;
 pub mod deploy;
 pub mod dev;
 pub mod groups;
@@ -35,7 +34,7 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Run the command `cli` names.
 pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Demo { groups, per_group } => demo(groups, per_group),
+        Command::Demo { groups, per_group } => run_demo(groups, per_group),
         Command::Run { config } => run::run(&config),
         Command::Publish {
             config,
@@ -118,11 +117,11 @@ pub fn dispatch(cli: Cli, guest_log: &call::GuestLog) -> anyhow::Result<ExitCode
 }
 
 /// `weir demo`: the run, its summary, and whether it held.
-fn demo(groups: u32, per_group: u32) -> anyhow::Result<ExitCode> {
-    let opts = DemoOptions {
+fn run_demo(groups: u32, per_group: u32) -> anyhow::Result<ExitCode> {
+    let opts = demo::DemoOptions {
         groups,
         per_group,
-        ..DemoOptions::default()
+        ..demo::DemoOptions::default()
     };
     let summary = runtime()?.block_on(demo::run(opts))?;
     println!("{summary}");

@@ -11,14 +11,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::config::{self, Config, RetrySection};
-use crate::envelope::{self, header};
-use crate::node::{Node, NodeOptions};
-use crate::observe::ledger::{Ledger, SEQ_HEADER};
-use crate::observe::stats::Stats;
-use crate::outcome::{Outcome, Reason};
-use crate::transport::Transport;
-use crate::transport::memory::MemoryBroker;
+use weir::config::{self, Config, RetrySection};
+use weir::envelope::{self, header};
+use weir::node::{Node, NodeOptions};
+use weir::observe::ledger::{Ledger, SEQ_HEADER};
+use weir::observe::stats::Stats;
+use weir::outcome::{Outcome, Reason};
+use weir::transport::Transport;
+use weir::transport::memory::MemoryBroker;
 
 /// Shape of the generated stream.
 #[derive(Debug, Clone)]
