@@ -164,7 +164,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         std::fs::write(d.join("app.py"), "import json\n\ndef f():\n    return 'Hello'\n").unwrap();
-        std::fs::write(d.join("pyproject.toml"), "[project]\nname = \"x\"\n").unwrap();
+        std::fs::write(d.join("pyproject.toml"), "[project]\nname = \"x\"\n[tool.weir]\n").unwrap();
         let first = signature(d).unwrap();
         std::fs::write(d.join("app.py"), "import json\n\ndef f():\n    return 'Howdy'\n").unwrap();
         assert_eq!(signature(d).unwrap(), first, "a changed body needs no build");
@@ -175,7 +175,7 @@ mod tests {
         .unwrap();
         let imported = signature(d).unwrap();
         assert_ne!(imported, first, "a new import needs a build");
-        std::fs::write(d.join("pyproject.toml"), "[project]\nname = \"y\"\n").unwrap();
+        std::fs::write(d.join("pyproject.toml"), "[project]\nname = \"y\"\n[tool.weir]\n").unwrap();
         assert_ne!(
             signature(d).unwrap(),
             imported,
@@ -185,5 +185,37 @@ mod tests {
         let added = signature(d).unwrap();
         std::fs::write(d.join("helpers.py"), "X = 2\n").unwrap();
         assert_eq!(signature(d).unwrap(), added, "a module's body needs no build");
+    }
+
+    #[test]
+    fn a_javascript_save_needs_a_build_only_when_what_it_imports_from_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let package = r#"{"name": "x", "weir": {"source": "handler.js"}}"#;
+        std::fs::write(d.join("package.json"), package).unwrap();
+        let host = "import { log } from 'weir:handler/host@0.2.0';\n";
+        std::fs::write(
+            d.join("handler.js"),
+            format!("{host}export function handle() {{ log('a'); }}\n"),
+        )
+        .unwrap();
+        let first = signature(d).unwrap();
+        assert_eq!(unsupported(d).unwrap(), None);
+        std::fs::write(
+            d.join("handler.js"),
+            format!("{host}export function handle() {{ log('b'); }}\n"),
+        )
+        .unwrap();
+        assert_eq!(signature(d).unwrap(), first, "a changed body needs no build");
+        std::fs::write(
+            d.join("handler.js"),
+            format!("{host}import {{ x }} from './x.js';\nexport function handle() {{ log(x); }}\n"),
+        )
+        .unwrap();
+        assert_ne!(signature(d).unwrap(), first, "a new import needs a build");
+        assert!(
+            unsupported(d).unwrap().is_some_and(|why| why.contains("./x.js")),
+            "and it cannot run live"
+        );
     }
 }
